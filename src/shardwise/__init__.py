@@ -1,0 +1,25 @@
+"""shardwise: fully sharded data parallelism for PyTorch, module by module.
+
+    from shardwise import fully_shard        # instead of torch.distributed.fsdp
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+See docs/design.md for the lifecycle every sharded module follows.
+"""
+
+from .api import fully_shard
+from .context import FSDPContext, LifecycleError, Phase
+from .module import FSDPModule, UnshardHandle
+from .precision import MixedPrecisionPolicy
+
+__all__ = [
+    "FSDPContext",
+    "FSDPModule",
+    "LifecycleError",
+    "MixedPrecisionPolicy",
+    "Phase",
+    "UnshardHandle",
+    "fully_shard",
+]
+__version__ = "0.1.0"

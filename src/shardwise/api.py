@@ -1,0 +1,181 @@
+"""``fully_shard``: the one public call. Validates, decides ownership, installs hooks.
+
+Every check runs before anything is changed, so bad input leaves the module
+exactly as it was.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from .module import FSDPModule, ModuleState
+from .param_group import ParamGroup
+from .precision import MixedPrecisionPolicy
+
+# Original parameter objects already taken by some fully_shard call: a second
+# owner would silently untie them.
+_taken: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
+_subclass_cache: dict[type, type] = {}
+_default_meshes: dict[tuple[str, int], DeviceMesh] = {}
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over the default process group on this machine's device type."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed to be initialized: call "
+            "torch.distributed.init_process_group() first (or launch with torchrun), "
+            "or pass mesh=..."
+        )
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    key = (device_type, dist.get_world_size())
+    if key not in _default_meshes:
+        _default_meshes[key] = init_device_mesh(device_type, (key[1],))
+    return _default_meshes[key]
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    prefetch: int = 1,
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``mesh``, gathering them only while it runs.
+
+    Apply bottom-up: the layers first, then the root. The call owns the
+    module's parameters that no sharded descendant owns already; each becomes
+    an ``nn.Parameter`` holding a ``DTensor`` with ``Shard(0)`` (or
+    ``(Replicate(), Shard(0))`` on a 2-D mesh: HSDP). The module's class
+    becomes a subclass of ``FSDPModule``; the same object is returned.
+
+    ``prefetch`` is how many modules ahead (in forward, then backward order)
+    are gathered while this one computes.
+    """
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            f"{type(module).__name__} is already sharded by fully_shard; call it once per module"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    mesh = mesh if mesh is not None else default_mesh()
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard supports a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); "
+            f"got a {getattr(mesh, 'ndim', '?')}-D mesh. For tensor parallelism pass the "
+            "data-parallel sub-mesh, e.g. mesh['dp']"
+        )
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (modules gathered ahead), got {prefetch!r}")
+    policy = _as_policy(mp_policy)
+    ignored = set(ignored_params or ())
+    named = _owned_params(module, ignored)
+    _check_params(module, named, mesh.device_type)
+
+    label = type(module).__name__
+    state = ModuleState(module, mesh, reshard_after_forward, policy, prefetch, label)
+    if named:
+        state.group = ParamGroup(state, named, mesh, policy, label)
+    for _, p, _ in named:
+        _taken.add(p)
+    module._shardwise_state = state  # type: ignore[assignment]
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
+    module._register_load_state_dict_pre_hook(_refuse_assign, with_module=True)
+    cls = type(module)
+    if cls not in _subclass_cache:
+        _subclass_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _subclass_cache[cls]
+    return module
+
+
+def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy | None:
+    """Accept ours, torch's FSDP2 policy (same fields), or None."""
+    if mp_policy is None or isinstance(mp_policy, MixedPrecisionPolicy):
+        return mp_policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if all(hasattr(mp_policy, f) for f in fields):
+        return MixedPrecisionPolicy(**{f: getattr(mp_policy, f) for f in fields})
+    raise TypeError(
+        f"mp_policy must be a shardwise.MixedPrecisionPolicy, got {type(mp_policy).__name__}"
+    )
+
+
+def _owned_params(
+    module: nn.Module, ignored: set[nn.Parameter]
+) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """Parameters of ``module`` outside sharded descendants, with every place each is registered."""
+    found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for name, p in m._parameters.items():
+            if p is None or p in ignored:
+                continue
+            fqn = prefix + name
+            if isinstance(p, DTensor) or p in _taken:
+                raise ValueError(
+                    f"parameter {fqn!r} of {type(module).__name__} is already owned by another "
+                    "fully_shard call (a weight tied across separately sharded modules?). Shard "
+                    "the common parent of every module that uses it instead, or pass it in "
+                    "ignored_params"
+                )
+            if id(p) in found:
+                found[id(p)][2].append((m, name))
+            else:
+                found[id(p)] = (fqn, p, [(m, name)])
+        for cname, child in m._modules.items():
+            if child is not None and not isinstance(child, FSDPModule):
+                visit(child, f"{prefix}{cname}.")
+
+    visit(module, "")
+    return list(found.values())
+
+
+def _check_params(module: nn.Module, named: list[Any], mesh_device: str) -> None:
+    dtypes = {p.dtype for _, p, _ in named}
+    for fqn, p, _ in named:
+        if not p.is_floating_point():
+            raise ValueError(
+                f"parameter {fqn!r} has dtype {p.dtype}; fully_shard shards floating-point "
+                "parameters only (pass it in ignored_params to keep it replicated)"
+            )
+        if p.dim() == 0:
+            raise ValueError(
+                f"parameter {fqn!r} is a 0-dim scalar, which cannot be split along dim 0; "
+                "reshape it to shape [1] or pass it in ignored_params"
+            )
+        check_device(fqn, p.device, mesh_device)
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"{type(module).__name__} owns parameters of several dtypes {sorted(map(str, dtypes))}; "
+            "one fully_shard call gathers one flat buffer, so cast them to one dtype or shard "
+            "the submodules holding each dtype separately"
+        )
+
+
+def check_device(fqn: str, device: torch.device, mesh_device: str) -> None:
+    """Parameters may live on the mesh's device, on meta, or on CPU (moved to the mesh)."""
+    if device.type in ("meta", mesh_device, "cpu"):
+        return
+    raise ValueError(
+        f"parameter {fqn!r} is on {device} but the mesh is on {mesh_device!r}; build the mesh "
+        f"on {device.type!r} (init_device_mesh({device.type!r}, ...)) or move the module to "
+        f"{mesh_device!r} or 'cpu' first"
+    )
+
+
+def _refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict,
+                   *args: Any) -> None:
+    if local_metadata.get("assign_to_params_buffers", False):
+        from .module import _ASSIGN_MSG
+
+        raise ValueError(_ASSIGN_MSG)

@@ -1,0 +1,116 @@
+"""The only place that calls torch.distributed: gathers, reductions, and who saw them.
+
+Why one file: every collective a module issues passes through here, so tests
+and the timeline can observe them (kind, dtype, bytes, group size) without
+patching torch, and version differences between torch releases (the
+``*_single`` names of newer releases versus ``*_into_tensor``/``*_tensor``)
+are handled once.
+
+Asynchrony: each call may return a ``Pending`` whose ``wait()`` finishes it.
+On CUDA the process group runs the collective on its own stream and ``wait()``
+makes the current (compute) stream wait for it with an event, so work issued
+early (a prefetch) overlaps the compute that follows. On CPU, gloo runs it on
+its own thread and ``wait()`` blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """What one collective moved, as seen by observers (tests, the timeline)."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    dtype: torch.dtype
+    numel: int  # elements of the full (unsharded) side
+    nbytes: int
+    group_size: int
+    label: str  # the module's name, for humans
+
+
+Observer = Callable[[CollectiveRecord, "Pending"], None]
+_observers: list[Observer] = []
+
+
+def add_observer(fn: Observer) -> Callable[[], None]:
+    """Call ``fn(record, pending)`` for every collective issued; returns a remover."""
+    _observers.append(fn)
+    return lambda: _observers.remove(fn) if fn in _observers else None
+
+
+class Pending:
+    """An issued collective. ``wait()`` is idempotent; ``then`` runs after it."""
+
+    __slots__ = ("_work", "_then", "done", "issued_at", "done_at", "on_done")
+
+    def __init__(self, work: Any, then: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._then = then
+        self.done = False
+        self.issued_at = time.perf_counter()
+        self.done_at: float | None = None
+        self.on_done: list[Callable[[Pending], None]] = []
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._then is not None:
+            self._then()
+        self.done = True
+        self.done_at = time.perf_counter()
+        for fn in self.on_done:
+            fn(self)
+
+
+def _notify(kind: str, t: torch.Tensor, group_size: int, label: str, p: Pending) -> None:
+    if _observers:
+        rec = CollectiveRecord(kind, t.dtype, t.numel(), t.numel() * t.element_size(), group_size, label)
+        for fn in list(_observers):
+            fn(rec, p)
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str = ""
+) -> Pending:
+    """Gather every rank's ``input`` into ``output`` (rank-major), asynchronously."""
+    work = _all_gather(output, input, group=group, async_op=True)
+    p = Pending(work)
+    _notify("all_gather", output, dist.get_world_size(group), label, p)
+    return p
+
+
+def reduce_scatter_mean(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str = ""
+) -> Pending:
+    """Average ``input`` over the group; this rank keeps its slice in ``output``.
+
+    AVG is not a reduce op every backend has on every torch we support, so we
+    sum and divide the (small) output once the reduction is done.
+    """
+    n = dist.get_world_size(group)
+    work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    p = Pending(work, then=lambda: output.div_(n))
+    _notify("reduce_scatter", input, n, label, p)
+    return p
+
+
+def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup, label: str = "") -> Pending:
+    """Average ``tensor`` in place over the group (HSDP's replicate dimension)."""
+    n = dist.get_world_size(group)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    p = Pending(work, then=lambda: tensor.div_(n))
+    _notify("all_reduce", tensor, n, label, p)
+    return p

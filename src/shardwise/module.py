@@ -1,0 +1,282 @@
+"""A sharded module: its hooks (``ModuleState``) and its public face (``FSDPModule``).
+
+The four hooks and what each one does to this module's ``ParamGroup``:
+
+- pre-forward: gather (wait for this module only), prefetch the next modules
+  in forward order, hand out autograd-tracked unsharded parameters. Inside
+  backward (activation recomputation) it prefetches in backward order only.
+- post-forward: reshard (unless ``reshard_after_forward=False``, or this is a
+  recomputed forward whose backward comes next), register pre-backward hooks
+  on the outputs. The root also reshards everything when no backward follows.
+- pre-backward (a hook on the forward's output tensors): enter the context's
+  backward phase, gather, prefetch in backward order.
+- post-backward (``_Unsharded.backward`` in param_group.py): finish the
+  previous module's reduction, start this one's, reshard.
+
+docs/design.md draws this as a state machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
+
+from .context import ALLOWED, FSDPContext, LifecycleError, Phase
+from .param_group import GroupState, ParamGroup
+from .precision import MixedPrecisionPolicy, cast_floats
+
+
+class ModuleState:
+    """Everything ``fully_shard`` attached to one module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy | None,
+        prefetch: int,
+        label: str,
+    ) -> None:
+        self.module = module
+        self.mesh = mesh
+        self.label = label
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.mp_policy = mp_policy
+        self.prefetch = prefetch
+        self.group: ParamGroup | None = None
+        self.context: FSDPContext | None = None
+        self.phase = Phase.IDLE
+        self.order_index = -1
+        self.backward_done = False
+        self.fwd_targets: list[ModuleState] | None = None  # None: from the context's order
+        self.bwd_targets: list[ModuleState] | None = None
+
+    def __repr__(self) -> str:
+        return f"ModuleState({self.label!r}, phase={self.phase.name})"
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _set_phase(self, new: Phase) -> None:
+        if (self.phase, new) not in ALLOWED:
+            raise LifecycleError(
+                f"module {self.label!r}: phase {self.phase.name} -> {new.name} is not allowed; "
+                f"last events: {list(self.context.events)[-8:] if self.context else []}"
+            )
+        self.phase = new
+
+    def _lazy_init(self) -> FSDPContext:
+        """The first forward of an outermost sharded module makes it the root."""
+        states = [m._shardwise_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        ctx = FSDPContext(self, states)
+        for s in states:
+            s.context = ctx
+        return ctx
+
+    def _forward_targets(self, ctx: FSDPContext) -> list[ModuleState]:
+        if self.fwd_targets is not None:
+            return self.fwd_targets
+        return [s for s in ctx.states[self.order_index + 1 :] if s.group][: self.prefetch]
+
+    def _backward_targets(self, ctx: FSDPContext) -> list[ModuleState]:
+        if self.bwd_targets is not None:
+            return self.bwd_targets
+        if self.prefetch == 0:
+            return []
+        earlier = [s for s in ctx.states[: self.order_index] if s.group]
+        return earlier[::-1][: self.prefetch]
+
+    def _gather(self, prefetch: list[ModuleState]) -> None:
+        """Issue our gather, then the prefetches, then wait for ours only."""
+        if self.group is None:
+            return
+        self.group.unshard()
+        for s in prefetch:
+            if s.group is not None and not s.backward_done:
+                s.group.unshard()
+        self.group.wait_unsharded()
+
+    # ---- hooks --------------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        ctx = self.context or self._lazy_init()
+        if ctx.phase is Phase.BACKWARD:
+            # A recomputed forward (activation checkpointing) inside backward:
+            # never prefetch in forward order -- that module's backward may be
+            # over already, and nothing would reshard it again (the seed bug).
+            ctx.log(f"{self.label}: recompute forward")
+            self._set_phase(Phase.BACKWARD)
+            self._gather(self._backward_targets(ctx))
+        else:
+            ctx.log(f"{self.label}: forward")
+            self._set_phase(Phase.FORWARD)
+            self._gather(self._forward_targets(ctx))
+        if self.group is not None and torch.is_grad_enabled():
+            self.group.attach()
+        policy = self.mp_policy
+        if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        ctx = self.context
+        assert ctx is not None
+        if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
+            output = cast_floats(output, self.mp_policy.output_dtype)
+        tensors = [t for t in tree_flatten(output)[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in tensors:
+            t.register_hook(self._pre_backward)
+        if ctx.phase is Phase.BACKWARD:
+            # Recomputed: keep the parameters for the backward that follows
+            # (no second all-gather); post-backward reshards them.
+            return output
+        self._set_phase(Phase.IDLE)
+        will_backward = bool(tensors) and torch.is_grad_enabled()
+        if self is ctx.root:
+            if will_backward and module.training:
+                # The root runs backward first: keep it; drop wasted prefetches.
+                for s in ctx.states:
+                    if s is not self and s.reshard_after_forward:
+                        s.reshard_now()
+            else:
+                # No backward follows: nobody may stay gathered, root included.
+                ctx.reshard_all()
+        elif self.reshard_after_forward and self.group is not None:
+            self.group.reshard()
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ctx = self.context
+        assert ctx is not None
+        ctx.enter_backward()
+        if self.backward_done or self.phase is Phase.BACKWARD:
+            return
+        ctx.log(f"{self.label}: pre-backward")
+        self._set_phase(Phase.BACKWARD)
+        self._gather(self._backward_targets(ctx))
+
+    def post_backward(self, grads: list[torch.Tensor | None]) -> None:
+        """Called by ``_Unsharded.backward`` once the group's gradients exist."""
+        ctx = self.context
+        assert ctx is not None and self.group is not None
+        ctx.enter_backward()
+        ctx.log(f"{self.label}: post-backward")
+        # One reduction in flight at a time bounds the gradient memory held.
+        ctx.finish_reduces()
+        job = self.group.reduce_grads(grads)
+        if job is not None:
+            ctx.pending_reduces.append(job)
+        if self.reshard_after_backward:
+            self.group.reshard()
+        self.backward_done = True
+        self._set_phase(Phase.IDLE)
+
+    # ---- context callbacks ---------------------------------------------------------------
+
+    def on_backward_start(self) -> None:
+        self.backward_done = False
+        if self.group is not None:
+            # A recomputed forward builds a new graph: it needs a new attachment.
+            self.group.detach_autograd()
+
+    def on_backward_end(self) -> None:
+        if self.group is not None:
+            if self.reshard_after_backward:
+                self.group.reshard()
+            self.group.detach_autograd()
+        self.backward_done = False
+        self.phase = Phase.IDLE
+
+    def reshard_now(self) -> None:
+        if self.group is not None and self.group.state is not GroupState.SHARDED:
+            self.group.reshard()
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it."""
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_unsharded()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixed into a module's class by ``fully_shard``; torch's FSDPModule methods."""
+
+    _shardwise_state: ModuleState
+
+    @property
+    def phase(self) -> Phase:
+        return self._shardwise_state.phase
+
+    @property
+    def fsdp_context(self) -> FSDPContext | None:
+        """The shared root context (None until the first forward)."""
+        return self._shardwise_state.context
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        group = self._shardwise_state.group
+        if group is not None:
+            group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        self._shardwise_state.reshard_now()
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._shardwise_state.fwd_targets = [_state_of(m, "forward prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._shardwise_state.bwd_targets = [_state_of(m, "backward prefetch") for m in modules]
+
+    def _sharded_states(self, recurse: bool) -> list[ModuleState]:
+        if not recurse:
+            return [self._shardwise_state]
+        return [m._shardwise_state for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for s in self._sharded_states(recurse):
+            s.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Keep parameters gathered after backward (e.g. between accumulation microbatches)."""
+        for s in self._sharded_states(recurse):
+            s.reshard_after_backward = reshard_after_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """While False, backward sums gradients locally with no communication."""
+        for s in self._sharded_states(recurse):
+            if s.group is not None:
+                s.group.requires_gradient_sync = requires_gradient_sync
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if assign:
+            raise ValueError(_ASSIGN_MSG)
+        return super().load_state_dict(state_dict, strict=strict)  # type: ignore[misc]
+
+
+_ASSIGN_MSG = (
+    "load_state_dict(assign=True) would replace the sharded DTensor parameters of a module "
+    "sharded by shardwise.fully_shard and break its sharding; call load_state_dict(sd) "
+    "without assign (it copies in place), or load before calling fully_shard"
+)
+
+
+def _state_of(m: Any, what: str) -> ModuleState:
+    if not isinstance(m, FSDPModule):
+        raise TypeError(f"{what}: {type(m).__name__} is not sharded; call fully_shard on it first")
+    return m._shardwise_state
