@@ -21,7 +21,14 @@ from .precision import MixedPrecisionPolicy
 
 # Original parameter objects already taken by some fully_shard call: a second
 # owner would silently untie them.
-_taken: weakref.WeakSet[nn.Parameter] = weakref.WeakSet()
+# Keyed by id with a weak reference to tell a live object from a reused id
+# (tensors cannot go in a WeakSet: membership would compare them with ==).
+_taken: dict[int, weakref.ref[nn.Parameter]] = {}
+
+
+def _is_taken(p: nn.Parameter) -> bool:
+    ref = _taken.get(id(p))
+    return ref is not None and ref() is p
 _subclass_cache: dict[type, type] = {}
 _default_meshes: dict[tuple[str, int], DeviceMesh] = {}
 
@@ -77,7 +84,7 @@ def fully_shard(
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (modules gathered ahead), got {prefetch!r}")
     policy = _as_policy(mp_policy)
-    ignored = set(ignored_params or ())
+    ignored = {id(p) for p in ignored_params or ()}
     named = _owned_params(module, ignored)
     _check_params(module, named, mesh.device_type)
 
@@ -86,7 +93,7 @@ def fully_shard(
     if named:
         state.group = ParamGroup(state, named, mesh, policy, label)
     for _, p, _ in named:
-        _taken.add(p)
+        _taken[id(p)] = weakref.ref(p)
     module._shardwise_state = state  # type: ignore[assignment]
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward)
@@ -111,17 +118,17 @@ def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy | None:
 
 
 def _owned_params(
-    module: nn.Module, ignored: set[nn.Parameter]
+    module: nn.Module, ignored: set[int]
 ) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
     """Parameters of ``module`` outside sharded descendants, with every place each is registered."""
     found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
 
     def visit(m: nn.Module, prefix: str) -> None:
         for name, p in m._parameters.items():
-            if p is None or p in ignored:
+            if p is None or id(p) in ignored:
                 continue
             fqn = prefix + name
-            if isinstance(p, DTensor) or p in _taken:
+            if isinstance(p, DTensor) or _is_taken(p):
                 raise ValueError(
                     f"parameter {fqn!r} of {type(module).__name__} is already owned by another "
                     "fully_shard call (a weight tied across separately sharded modules?). Shard "

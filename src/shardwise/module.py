@@ -72,7 +72,14 @@ class ModuleState:
 
     def _lazy_init(self) -> FSDPContext:
         """The first forward of an outermost sharded module makes it the root."""
-        states = [m._shardwise_state for m in self.module.modules() if isinstance(m, FSDPModule)]
+        states = []
+        for name, m in self.module.named_modules():
+            if isinstance(m, FSDPModule):
+                s = m._shardwise_state
+                s.label = name or s.label  # the root keeps its class name
+                if s.group is not None:
+                    s.group.label = s.label
+                states.append(s)
         ctx = FSDPContext(self, states)
         for s in states:
             s.context = ctx

@@ -1,0 +1,81 @@
+"""Small models for parity tests: every feature the runtime must get right, in a few lines."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+VOCAB = 5  # 5 rows over 4 ranks -> shards of 2, 2, 1, 0 rows: uneven and empty
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, unused: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+        # A parameter no forward touches: its grad must stay None, no hang.
+        self.unused = nn.Linear(d, 1) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Stage(nn.Module):
+    """A parent of two sharded children: the unit that 'parent' AC checkpoints."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = Block(d)
+        self.b = Block(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class Net(nn.Module):
+    """Tied embedding/head in the root, a [1, d] parameter, nested stages."""
+
+    def __init__(self, d: int = 8, n_stages: int = 2, ac: str = "none", unused: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.randn(1, d) * 0.1)  # [1, d]: empty shard on rank 1+
+        self.stages = nn.ModuleList(Stage(d) for _ in range(n_stages))
+        self.extra = Block(d, unused=unused)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.ac = ac
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos
+        for i, stage in enumerate(self.stages):
+            x = self._run(stage, x, i)
+        x = self.extra(x)
+        return self.head(self.norm(x))
+
+    def _run(self, stage: Stage, x: torch.Tensor, i: int) -> torch.Tensor:
+        ac = self.ac
+        if ac == "none":
+            return stage(x)
+        if ac in ("reentrant", "non-reentrant"):  # around each sharded block
+            reentrant = ac == "reentrant"
+            x = checkpoint(stage.a, x, use_reentrant=reentrant)
+            return checkpoint(stage.b, x, use_reentrant=reentrant)
+        if ac in ("parent-reentrant", "parent"):  # around a parent of sharded children
+            return checkpoint(stage, x, use_reentrant=ac == "parent-reentrant")
+        if ac == "selective":  # only some layers
+            return checkpoint(stage, x, use_reentrant=False) if i % 2 == 0 else stage(x)
+        raise ValueError(ac)
+
+
+def loss_fn(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+
+def batches(steps: int, batch: int = 12, seq: int = 6, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(steps)]

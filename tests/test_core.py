@@ -1,0 +1,327 @@
+"""Core runtime: parity with a single process, the seed's regression, collective counts.
+
+Every multi-process test runs real gloo ranks through ``run_distributed``,
+which fails (never hangs) after a timeout.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from dist_utils import run_distributed
+from models import Net, batches, loss_fn
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
+
+import shardwise
+from shardwise import FSDPModule, Phase, collectives, fully_shard
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def sharded_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def assert_between_steps(model: nn.Module) -> None:
+    """The lifecycle's promise after every backward."""
+    for name, p in model.named_parameters():
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), f"{name} left unsharded"
+        assert p.placements[-1] == Shard(0), name
+    for m in sharded_modules(model):
+        assert m.phase is Phase.IDLE, (m, m.phase)
+        group = m._shardwise_state.group
+        assert group is None or group.unsharded_bytes == 0, f"{m._shardwise_state.label} still holds storage"
+    ctx = model.fsdp_context  # type: ignore[attr-defined]
+    assert ctx is not None and ctx.phase is Phase.IDLE
+
+
+def shard_net(model: Net, cfg: dict) -> None:
+    raf = cfg.get("raf", True)
+    for stage in model.stages:
+        fully_shard(stage.a, reshard_after_forward=raf)
+        fully_shard(stage.b, reshard_after_forward=raf)
+        if cfg.get("shard_stage", False):
+            fully_shard(stage)  # a sharded parent with no parameters of its own
+    fully_shard(model.extra, reshard_after_forward=raf)
+    fully_shard(model)
+
+
+def make_opt(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def parity_worker(rank: int, world: int, cfg: dict) -> None:
+    torch.manual_seed(0)
+    ref = Net(ac="none", unused=cfg.get("unused", False))
+    if cfg.get("frozen"):
+        for p in ref.stages[0].a.norm.parameters():
+            p.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    model.ac = cfg.get("ac", "none")
+    shard_net(model, cfg)
+    opt = make_opt(cfg["opt"], model.parameters())
+    ref_opt = make_opt(cfg["opt"], ref.parameters())
+    for idx in batches(cfg.get("steps", 4)):
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        assert_between_steps(model)
+        if cfg.get("unused"):
+            assert model.extra.unused.weight.grad is None
+        if cfg.get("frozen"):
+            assert model.stages[0].a.norm.weight.grad is None
+        opt.step()
+        opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+        ref_loss = loss_fn(ref, idx)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(mean / world, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+    for (name, p), (rname, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert name == rname
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+PARITY = {
+    "plain-adamw-w2": (2, {"opt": "adamw", "shard_stage": True}),
+    "reentrant-sgd-w3": (3, {"opt": "sgd", "ac": "reentrant"}),
+    "nonreentrant-frozen-zero-w4": (4, {"opt": "adamw", "ac": "non-reentrant", "frozen": True,
+                                        "set_to_none": False}),
+    "parent-reentrant-keep-w2": (2, {"opt": "adamw", "ac": "parent-reentrant", "raf": False,
+                                     "shard_stage": True}),
+    "parent-unused-w3": (3, {"opt": "sgd", "ac": "parent", "unused": True}),
+    "selective-unused-frozen-w4": (4, {"opt": "sgd", "ac": "selective", "unused": True,
+                                       "frozen": True}),
+    "keep-after-forward-w2": (2, {"opt": "sgd", "raf": False, "set_to_none": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_parity_with_single_process(case: str) -> None:
+    world, cfg = PARITY[case]
+    run_distributed(parity_worker, world, cfg, timeout=200)
+
+
+# ---- the seed's regression -----------------------------------------------------------------
+
+
+class TwoLinears(nn.Module):
+    """Two independently sharded, checkpointed linears plus a root with its own weight."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(self.l1, x, use_reentrant=self.reentrant)
+        x = checkpoint(self.l2, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def seed_regression_worker(rank: int, world: int, reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = TwoLinears(reentrant)
+    fully_shard(model.l1, prefetch=1)
+    fully_shard(model.l2, prefetch=1)
+    fully_shard(model, prefetch=1)
+    seen: Counter[tuple[str, str]] = Counter()
+    remove = collectives.add_observer(lambda rec, _: seen.update([(rec.kind, rec.label)]))
+    x = torch.randn(4, 4, requires_grad=True)
+    for step in range(2):
+        seen.clear()
+        model(x).sum().backward()
+        for lin in (model.l1, model.l2):
+            assert isinstance(lin.weight, DTensor), f"step {step}: a linear was left unsharded"
+            assert lin.phase is Phase.IDLE
+        assert model.fsdp_context.phase is Phase.IDLE
+        assert_between_steps(model)
+        # forward: one gather each; backward: the recompute gathers l1 and l2
+        # once more and keeps them for their backward. A forward-order prefetch
+        # from l1's recompute would gather l2 a third time (the seed's bug).
+        assert seen[("all_gather", "l1")] == 2, seen
+        assert seen[("all_gather", "l2")] == 2, seen
+        assert seen[("all_gather", "TwoLinears")] == 1, seen
+        for label in ("l1", "l2", "TwoLinears"):
+            assert seen[("reduce_scatter", label)] == 1, seen
+        model.zero_grad()
+    remove()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_seed_regression_recompute_never_leaves_modules_unsharded(reentrant: bool) -> None:
+    run_distributed(seed_regression_worker, 2, reentrant)
+
+
+# ---- phases, no_grad, accumulation across backward ---------------------------------------------
+
+
+def phase_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    shard_net(model, {})
+    ctx_phases: list[tuple[str, Phase]] = []
+    root = model
+
+    def record(name: str):
+        def hook(*_):
+            ctx_phases.append((name, root.fsdp_context.phase))
+        return hook
+
+    idx = batches(1)[0].chunk(world)[rank]
+    loss_fn(model, idx)  # creates the context
+    model.zero_grad()
+    model.extra.register_forward_pre_hook(record("forward"))
+    out = model(idx[:, :-1])
+    out.register_hook(lambda g: ctx_phases.append(("after-root-pre-backward", root.fsdp_context.phase)))
+    assert model.phase is Phase.IDLE and model.fsdp_context.phase is Phase.IDLE
+    out.float().pow(2).mean().backward()
+    assert ctx_phases == [("forward", Phase.IDLE), ("after-root-pre-backward", Phase.BACKWARD)]
+    assert_between_steps(model)
+
+    # no_grad and eval forwards: nothing stays gathered, the root included.
+    with torch.no_grad():
+        model(idx)
+    assert all(m._shardwise_state.group.unsharded_bytes == 0 for m in sharded_modules(model))
+    model.eval()
+    model(idx)
+    assert all(m._shardwise_state.group.unsharded_bytes == 0 for m in sharded_modules(model))
+    model.train()
+
+    # Gradients accumulate across backward calls when not zeroed.
+    torch.manual_seed(0)
+    ref = Net()
+    model2 = copy.deepcopy(ref)
+    shard_net(model2, {})
+    for b in batches(2):
+        loss_fn(model2, b.chunk(world)[rank]).backward()
+        loss_fn(ref, b).backward()
+    for (n, p), (_, rp) in zip(model2.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_context_phase_and_no_grad_and_accumulation() -> None:
+    run_distributed(phase_worker, 2)
+
+
+# ---- what fully_shard makes of parameters --------------------------------------------------------
+
+
+def layout_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    shard_net(model, {})
+    assert type(model).__name__ == "FSDPNet" and isinstance(model, Net)
+    assert model.head.weight is model.emb.weight, "tied weights stay tied"
+    for name, p in model.named_parameters():
+        local = p.to_local()
+        expected = list(torch.chunk(full[name], world, dim=0))
+        expected += [full[name][:0]] * (world - len(expected))
+        torch.testing.assert_close(local, expected[rank], msg=name)
+    assert model.pos.to_local().shape[0] == (1 if rank == 0 else 0)
+    # one gather per module per unshard, coalesced over its parameters
+    seen: Counter[str] = Counter()
+    remove = collectives.add_observer(lambda rec, _: seen.update([rec.kind]))
+    model.extra.unshard()
+    assert seen["all_gather"] == 1
+    assert isinstance(model.extra.fc1.weight, torch.Tensor) and not isinstance(model.extra.fc1.weight, DTensor)
+    torch.testing.assert_close(model.extra.fc1.weight, full["extra.fc1.weight"])
+    model.extra.reshard()
+    assert isinstance(model.extra.fc1.weight, DTensor)
+    handle = model.extra.unshard(async_op=True)
+    handle.wait()
+    model.extra.reshard()
+    remove()
+
+
+def test_parameters_are_chunked_dtensors() -> None:
+    run_distributed(layout_worker, 4)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+def bad_input_worker(rank: int, world: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise.api import check_device
+
+    msgs: dict[str, str] = {}
+
+    def expect(name: str, exc: type, fn) -> None:
+        with pytest.raises(exc) as info:
+            fn()
+        msgs[name] = str(info.value)
+
+    lin = nn.Linear(2, 2)
+    fully_shard(lin)
+    expect("twice", ValueError, lambda: fully_shard(lin))
+
+    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    fully_shard(tied[0])
+    expect("owned", ValueError, lambda: fully_shard(tied[1]))
+    assert not isinstance(tied[1], FSDPModule) and not isinstance(tied[1].bias, DTensor)
+
+    mesh3 = init_device_mesh("cpu", (1, 1, world))
+    m = nn.Linear(2, 2)
+    expect("mesh3d", ValueError, lambda: fully_shard(m, mesh=mesh3))
+    assert not isinstance(m, FSDPModule) and not isinstance(m.weight, DTensor)
+
+    expect("device", ValueError, lambda: check_device("w", torch.device("cuda", 0), "cpu"))
+
+    ints = nn.Linear(2, 2)
+    ints.register_parameter("count", nn.Parameter(torch.ones(3, dtype=torch.long), requires_grad=False))
+    expect("int", ValueError, lambda: fully_shard(ints))
+    assert not isinstance(ints, FSDPModule) and not isinstance(ints.weight, DTensor)
+
+    expect("prefetch", ValueError, lambda: fully_shard(nn.Linear(2, 2), prefetch=-1))
+    expect("policy", TypeError, lambda: fully_shard(nn.Linear(2, 2), mp_policy="bf16"))
+
+    sd = {k: v.detach().clone() for k, v in lin.state_dict().items()}
+    before = lin.weight.to_local().clone()
+    expect("assign", ValueError, lambda: lin.load_state_dict(sd, assign=True))
+    parent = nn.Sequential(lin)
+    psd = {f"0.{k}": v for k, v in sd.items()}
+    expect("assign-nested", ValueError, lambda: parent.load_state_dict(psd, assign=True))
+    assert isinstance(lin.weight, DTensor)
+    torch.testing.assert_close(lin.weight.to_local(), before)
+    return msgs
+
+
+def test_bad_input_gets_one_clear_error_and_changes_nothing() -> None:
+    msgs = run_distributed(bad_input_worker, 2)[0]
+    assert "already sharded" in msgs["twice"]
+    assert "already owned" in msgs["owned"] and "weight" in msgs["owned"]
+    assert "3-D mesh" in msgs["mesh3d"]
+    assert "cuda:0" in msgs["device"] and "mesh" in msgs["device"]
+    assert "count" in msgs["int"] and "floating-point" in msgs["int"]
+    assert "prefetch" in msgs["prefetch"]
+    assert "MixedPrecisionPolicy" in msgs["policy"]
+    assert "assign=True" in msgs["assign"] and "assign=True" in msgs["assign-nested"]
+
+
+def test_fully_shard_without_process_group_says_how_to_fix() -> None:
+    assert not dist.is_initialized()
+    m = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fully_shard(m)
+    assert not isinstance(m, FSDPModule)
+
+
+def test_public_api_names() -> None:
+    for name in ("fully_shard", "FSDPModule", "Phase", "MixedPrecisionPolicy", "LifecycleError"):
+        assert hasattr(shardwise, name)
+    assert {p.name for p in Phase} == {"IDLE", "FORWARD", "BACKWARD"}
