@@ -8,9 +8,11 @@
 See docs/design.md for the lifecycle every sharded module follows.
 """
 
-from .api import fully_shard
+from .api import fully_shard, hsdp_mesh, no_sync
+from .clip import clip_grad_norm_
 from .context import FSDPContext, LifecycleError, Phase
 from .module import FSDPModule, UnshardHandle
+from .materialize import materialize
 from .precision import MixedPrecisionPolicy
 
 __all__ = [
@@ -20,6 +22,10 @@ __all__ = [
     "MixedPrecisionPolicy",
     "Phase",
     "UnshardHandle",
+    "clip_grad_norm_",
     "fully_shard",
+    "hsdp_mesh",
+    "materialize",
+    "no_sync",
 ]
 __version__ = "0.1.0"

@@ -6,7 +6,9 @@ exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -186,3 +188,34 @@ def _refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metada
         from .module import _ASSIGN_MSG
 
         raise ValueError(_ASSIGN_MSG)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backward inside accumulates gradients locally, with no communication.
+
+    The first backward after the block (sync on again) reduces the sum once.
+    """
+    if not isinstance(model, FSDPModule):
+        raise TypeError(
+            f"no_sync expects a module sharded by fully_shard, got {type(model).__name__}"
+        )
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def hsdp_mesh(replicate: int, device_type: str | None = None) -> DeviceMesh:
+    """A ``(replicate, shard)`` mesh over the world for HSDP: ``replicate`` copies of the shards."""
+    world = dist.get_world_size() if dist.is_initialized() else 0
+    if not isinstance(replicate, int) or replicate < 1 or world % replicate:
+        raise ValueError(
+            f"HSDP replicate degree {replicate!r} must be a positive divisor of the world size "
+            f"({world}); e.g. 2 on 4 ranks shards each replica over 2 ranks"
+        )
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(
+        device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )

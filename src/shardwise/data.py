@@ -23,8 +23,15 @@ import torch
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 VAL_FRACTION = 0.05
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings",
-              "__pycache__"}
+_SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "encodings",
+    "__pycache__",
+}
 
 
 class DataError(ValueError):
@@ -40,8 +47,13 @@ class Corpus:
     sha256: str  # of the whole corpus, to notice a resume on different data
 
     def describe(self) -> dict[str, object]:
-        return {"source": self.source, "files": self.n_files, "sha256": self.sha256,
-                "train_bytes": self.train.numel(), "val_bytes": self.val.numel()}
+        return {
+            "source": self.source,
+            "files": self.n_files,
+            "sha256": self.sha256,
+            "train_bytes": self.train.numel(),
+            "val_bytes": self.val.numel(),
+        }
 
 
 def stdlib_sources() -> list[Path]:
@@ -83,8 +95,9 @@ def check_data_path(path: str | None) -> None:
         raise DataError(f"--data {path}: not a regular file or a folder")
 
 
-def load_corpus(path: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                min_split_bytes: int = 2) -> Corpus:
+def load_corpus(
+    path: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES, min_split_bytes: int = 2
+) -> Corpus:
     """Read the corpus and split it: the last ``VAL_FRACTION`` of the bytes is validation.
 
     ``path``: None for the standard library, a text file, or a folder of text
@@ -121,8 +134,9 @@ def load_corpus(path: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
             f"{min_split_bytes + n_val} bytes for windows of this --seq-len and a validation split"
         )
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return Corpus(data[:-n_val], data[-n_val:], source, len(chunks),
-                  hashlib.sha256(raw).hexdigest())
+    return Corpus(
+        data[:-n_val], data[-n_val:], source, len(chunks), hashlib.sha256(raw).hexdigest()
+    )
 
 
 class BatchSampler:
@@ -134,11 +148,22 @@ class BatchSampler:
     any world size, so the loss curve does not depend on how many ranks ran it.
     """
 
-    def __init__(self, data: torch.Tensor, *, seq_len: int, batch_size: int, seed: int,
-                 rank: int = 0, world: int = 1, grad_accum: int = 1) -> None:
+    def __init__(
+        self,
+        data: torch.Tensor,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        grad_accum: int = 1,
+    ) -> None:
         if batch_size % (world * grad_accum):
-            raise ValueError(f"batch size {batch_size} is not divisible by world {world} "
-                             f"x grad accum {grad_accum}")
+            raise ValueError(
+                f"batch size {batch_size} is not divisible by world {world} "
+                f"x grad accum {grad_accum}"
+            )
         if data.numel() < seq_len + 1:
             raise ValueError(f"{data.numel()} bytes cannot hold one window of {seq_len + 1}")
         self.data, self.seq_len, self.batch_size, self.seed = data, seq_len, batch_size, seed
@@ -156,14 +181,16 @@ class BatchSampler:
         return windows(self.data, self.offsets(step)[start : start + self.micro], self.seq_len)
 
 
-def windows(data: torch.Tensor, offsets: torch.Tensor, seq_len: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(
+    data: torch.Tensor, offsets: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.stack([data[o : o + seq_len + 1] for o in offsets.tolist()]).long()
     return rows[:, :-1], rows[:, 1:]
 
 
-def eval_offsets(data: torch.Tensor, *, seq_len: int, n: int, rank: int = 0, world: int = 1
-                 ) -> torch.Tensor:
+def eval_offsets(
+    data: torch.Tensor, *, seq_len: int, n: int, rank: int = 0, world: int = 1
+) -> torch.Tensor:
     """This rank's share of ``n`` evenly spaced validation windows (fixed: no randomness)."""
     last = data.numel() - seq_len - 1
     every = torch.linspace(0, max(last, 0), n).round().long()

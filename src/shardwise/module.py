@@ -266,6 +266,10 @@ class FSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """While False, backward sums gradients locally with no communication."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}"
+            )
         for s in self._sharded_states(recurse):
             if s.group is not None:
                 s.group.requires_gradient_sync = requires_gradient_sync

@@ -1,6 +1,14 @@
 """Models that ship with shardwise: what ``shardwise train`` and ``shardwise bench`` run."""
 
-from .gpt import GPT, SIZES, GPTConfig, generate, num_params, set_activation_checkpointing, shard_model
+from .gpt import (
+    GPT,
+    SIZES,
+    GPTConfig,
+    generate,
+    num_params,
+    set_activation_checkpointing,
+    shard_model,
+)
 
 __all__ = [
     "GPT",

@@ -1,0 +1,1 @@
+"""The ``shardwise`` command line: ``train``, ``sample`` and ``bench`` (see cli/main.py)."""

@@ -1,0 +1,309 @@
+"""``shardwise``: the console entry, and what its subcommands share.
+
+Each subcommand module has ``main(argv) -> int``. Shared here: the bad-input
+error (one line on stderr, exit code 2), starting workers through torch's
+elastic launcher, joining the process group inside a worker, and finding a
+checkpoint from a run folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+COMMANDS = {
+    "train": ("shardwise.cli.train", "train a small GPT with every block fully sharded"),
+    "sample": ("shardwise.cli.sample", "print a continuation from a trained checkpoint"),
+    "bench": ("shardwise.cli.bench", "measure throughput and memory"),
+}
+EXIT_USAGE = 2
+CPU_OVERSUBSCRIPTION = 4  # gloo ranks per CPU core we still accept
+LAUNCH_ID_ENV = "SHARDWISE_LAUNCH_ID"
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr, exit code 2, before anything is written."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else EXIT_USAGE
+    if argv[0] == "--version":
+        from shardwise import __version__
+
+        print(f"shardwise {__version__}")
+        return 0
+    command = argv[0]
+    if command not in COMMANDS:
+        print(
+            f"shardwise: error: unknown command {command!r}; choose from {', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    module = importlib.import_module(COMMANDS[command][0])
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except UsageError as e:
+        print(f"shardwise {command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        # Ctrl-C before workers start, or in a one-process command.
+        print(f"shardwise {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _usage() -> str:
+    lines = ["usage: shardwise {train,sample,bench} ...", "", "commands:"]
+    lines += [f"  {name:<8}{help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'shardwise COMMAND --help' for a command's flags."]
+    return "\n".join(lines)
+
+
+# ---- launching ------------------------------------------------------------------------------
+
+
+def in_worker() -> bool:
+    """True when a launcher (ours, torchrun, or another) started this process as one rank."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def check_nproc(nproc: int) -> None:
+    """NCCL needs a GPU per rank; gloo ranks may share cores, within reason."""
+    import torch
+
+    if nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise UsageError(
+                f"--nproc {nproc} is more than the {gpus} GPU(s) on this machine "
+                "(NCCL needs one GPU per process)"
+            )
+    elif nproc > CPU_OVERSUBSCRIPTION * usable_cpus():
+        raise UsageError(
+            f"--nproc {nproc} is more than {CPU_OVERSUBSCRIPTION} processes per CPU "
+            f"core ({usable_cpus()} cores here); use fewer processes"
+        )
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where workers run: processes per node and, for several nodes, how they meet."""
+
+    nproc: int
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+
+    def check(self) -> None:
+        check_nproc(self.nproc)
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if self.nnodes > 1 and (self.node_rank is None or self.rdzv_endpoint is None):
+            raise UsageError("--nnodes > 1 needs --node-rank and --rdzv-endpoint HOST:PORT")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(f"--node-rank {self.node_rank} is not in [0, {self.nnodes})")
+
+    @property
+    def world(self) -> int:
+        return self.nproc * self.nnodes
+
+
+def add_launch_arguments(p: Any) -> None:
+    g = p.add_argument_group("launching (ignored when started by torchrun)")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes on this node (default: the number of GPUs, else 2 CPU processes)",
+    )
+    g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
+    g.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        help="HOST:PORT where the nodes meet: node 0's address (multi-node)",
+    )
+
+
+def launch_from_args(args: Any) -> Launch:
+    nproc = default_nproc() if args.nproc is None else args.nproc
+    launch = Launch(nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    launch.check()
+    return launch
+
+
+def launch(
+    command: str, worker_argv: list[str], where: Launch, on_signal: Callable[[str, int], int]
+) -> int:
+    """Run ``shardwise COMMAND WORKER_ARGV`` on every rank through ``torch.distributed.run``.
+
+    On Ctrl-C or SIGTERM the launcher passes the signal on to every worker and
+    waits for them; ``on_signal(launch_id, signum)`` then decides the exit code from
+    what the workers left behind.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    launch_id = uuid.uuid4().hex
+    os.environ[LAUNCH_ID_ENV] = launch_id
+    # Workers size their own thread pools; setting it here also keeps the
+    # launcher from printing its OMP_NUM_THREADS banner.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // where.nproc)))
+    # A worker stopping on a signal saves a checkpoint first: give it time.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
+    # The agent narrates every start and signal; our workers say what matters.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    flags = [
+        "--nproc-per-node",
+        str(where.nproc),
+        "--nnodes",
+        str(where.nnodes),
+        "--max-restarts",
+        "0",
+    ]
+    if where.nnodes == 1 and where.rdzv_endpoint is None:
+        flags.append("--standalone")
+    else:
+        flags += [
+            "--node-rank",
+            str(where.node_rank or 0),
+            "--rdzv-endpoint",
+            str(where.rdzv_endpoint),
+        ]
+    try:
+        torchrun.run(torchrun.parse_args([*flags, "--module", "shardwise", command, *worker_argv]))
+    except SignalException as e:
+        return on_signal(launch_id, int(e.sigval))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(
+            f"shardwise {command}: worker rank {rank} failed with exit code "
+            f"{failure.exitcode}; its error is above",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE if failure.exitcode == EXIT_USAGE else 1
+    return 0
+
+
+# ---- inside a worker ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Worker:
+    rank: int
+    world: int
+    local_rank: int
+    device: Any  # torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_worker() -> Worker:
+    """Join the process group: NCCL with one GPU per rank if there are GPUs, else gloo."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, usable_cpus() // local_world))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return Worker(rank, world, local_rank, device)
+
+
+def from_rank0(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 only and give every rank its result (or its ``UsageError``)."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except UsageError as e:
+            box[0] = ("usage", str(e))
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "usage":
+        dist.destroy_process_group()
+        # Only rank 0 says it; the others exit with the same code, quietly.
+        raise UsageError(value) if dist.get_rank() == 0 else SystemExit(EXIT_USAGE)
+    return value
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A complete DCP checkpoint folder (DCP writes ``.metadata`` last)."""
+    return (path / ".metadata").is_file()
+
+
+def find_checkpoint(path: str, flag: str) -> tuple[Path, dict[str, Any]]:
+    """A run folder (its latest checkpoint) or a checkpoint folder, and the run's config.
+
+    Run folders hold ``config.json`` and ``checkpoints/step_NNNNNN``.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise UsageError(f"{flag} {path}: no such folder")
+    if is_checkpoint(p):
+        ckpt, run = p, p.parent.parent
+    else:
+        steps = [
+            c
+            for c in (p / "checkpoints").glob("step_*")
+            if re.fullmatch(r"step_\d+", c.name) and is_checkpoint(c)
+        ]
+        if not steps:
+            raise UsageError(
+                f"{flag} {path}: not a checkpoint (no .metadata) nor a run folder "
+                "with a complete checkpoints/step_* inside"
+            )
+        ckpt, run = max(steps, key=lambda c: c.name), p
+    try:
+        config = json.loads((run / "config.json").read_text())
+    except (OSError, ValueError):
+        raise UsageError(
+            f"{flag} {path}: cannot read the run's config.json (looked in "
+            f"{run}); a checkpoint must stay inside its run folder"
+        ) from None
+    return ckpt, config
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Rank 0's side of a training run: progress on the terminal, metrics.jsonl, plots, summary.
+
+On a terminal the progress is a live rich bar; elsewhere (a log file, CI) it
+is a plain line every twentieth of the run and at every validation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from .main import LAUNCH_ID_ENV
+
+
+class Reporter:
+    """Progress bar (plain lines when not on a terminal), metrics rows, plots, the summary."""
+
+    def __init__(self, cfg: dict[str, Any], n_params: int, start_step: int) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.cfg, self.out = cfg, Path(cfg["out"])
+        self.rows = read_jsonl(self.out / "metrics.jsonl")
+        self.metrics = open(self.out / "metrics.jsonl", "a")  # noqa: SIM115 - open for the run
+        self.recent: deque[float] = deque(maxlen=10)
+        self.t0 = time.perf_counter()
+        self.start_step = start_step
+        self.console = Console()
+        self.live = self.console.is_terminal
+        self.every = max(1, cfg["steps"] // 20)
+        mp = "" if cfg["mixed_precision"] == "none" else f", {cfg['mixed_precision']}"
+        resumed = f", resumed at step {start_step}" if start_step else ""
+        print(
+            f"shardwise train: {cfg['model']} ({n_params / 1e6:.2f}M parameters), "
+            f"{cfg['world_size']} x {cfg['device']}{mp}, {cfg['steps']} steps of "
+            f"{cfg['batch_size']} x {cfg['seq_len']} bytes{resumed} -> {self.out}",
+            flush=True,
+        )
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.progress.add_task(
+                "train", total=cfg["steps"], completed=start_step, info=""
+            )
+            self.progress.start()
+
+    def row(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        self.recent.append(row["tokens_per_s"])
+        step = row["step"]
+        info = (
+            f"loss {row['loss']:.3f}  {_si(sum(self.recent) / len(self.recent))} tok/s  "
+            f"mem {_bytes(row['peak_mem_bytes'])}"
+        )
+        val = f"  val loss {row['val_loss']:.3f}" if "val_loss" in row else ""
+        if self.live:
+            self.progress.update(self.task, completed=step, info=info)
+            if val:
+                self.progress.console.print(f"step {step:>5}: loss {row['loss']:.3f}{val}")
+        elif step % self.every == 0 or val or step == self.cfg["steps"]:
+            print(f"step {step:>5}/{self.cfg['steps']}  {info}{val}", flush=True)
+
+    def finish(self, step: int, stopped: bool, signum: int | None, ckpt: Path) -> None:
+        if self.live:
+            self.progress.stop()
+        self.metrics.close()
+        plot(
+            self.out,
+            self.rows,
+            title=f"{self.cfg['model']}, {self.cfg['world_size']} x {self.cfg['device']}",
+        )
+        new = [r for r in self.rows if r["step"] > self.start_step]
+        last = new[-10:] or self.rows[-1:]
+        vals = [r["val_loss"] for r in self.rows if "val_loss" in r]
+        steady = new[1:] or new  # the first step pays for warm-up work
+        summary = {
+            "launch_id": os.environ.get(LAUNCH_ID_ENV),
+            "steps_done": step,
+            "stopped_early": stopped,
+            "train_loss": sum(r["loss"] for r in last) / max(1, len(last)),
+            "val_loss": vals[-1] if vals else None,
+            "tokens_per_s": (
+                sum(r["tokens_per_s"] for r in steady) / len(steady) if steady else None
+            ),
+            "peak_mem_bytes": max((r["peak_mem_bytes"] for r in new), default=None),
+            "wall_s": time.perf_counter() - self.t0,
+            "checkpoint": str(ckpt),
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        how = (
+            f"stopped by {signal.Signals(signum).name} at step {step}"
+            if stopped and signum
+            else f"stopped at step {step}"
+            if stopped
+            else f"done: {step} steps"
+        )
+        val = f"{summary['val_loss']:.4f}" if vals else "-"
+        print(
+            f"{how} in {summary['wall_s']:.1f} s | train loss {summary['train_loss']:.4f} | "
+            f"val loss {val} | {_si(summary['tokens_per_s'] or 0)} tokens/s | "
+            f"peak mem {_bytes(summary['peak_mem_bytes'] or 0)}",
+            flush=True,
+        )
+        print(f"checkpoint: {ckpt}", flush=True)
+        if stopped:
+            print(f"resume with: shardwise train --resume {self.out}", flush=True)
+
+
+def plot(out: Path, rows: list[dict[str, Any]], title: str) -> None:
+    """loss.png (train and validation loss) and throughput.png (tokens/s and peak memory)."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    steps = [r["step"] for r in rows]
+    fig = Figure(figsize=(7, 4), layout="tight")
+    ax = fig.add_subplot()
+    ax.plot(steps, [r["loss"] for r in rows], lw=1, label="train")
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val), "o-", ms=4, label="validation")
+    ax.set(xlabel="step", ylabel="loss (nats per byte)", title=f"loss: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(out / "loss.png", dpi=120)
+
+    fig = Figure(figsize=(7, 5), layout="tight")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    top.plot(steps, [r["tokens_per_s"] for r in rows], lw=1)
+    top.set(ylabel="tokens/s", title=f"throughput: {title}")
+    bottom.plot(steps, [r["peak_mem_bytes"] / 2**20 for r in rows], lw=1, color="tab:red")
+    bottom.set(xlabel="step", ylabel="peak memory (MiB)")
+    for a in (top, bottom):
+        a.grid(alpha=0.3)
+    fig.savefig(out / "throughput.png", dpi=120)
+
+
+def _si(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []

@@ -1,0 +1,478 @@
+"""``shardwise train``: train a small GPT with every block fully sharded.
+
+Started by a person, this checks the flags, prepares the run folder and starts
+the workers through ``torch.distributed.run``; started as a worker (by us or
+by ``torchrun`` directly) it trains. The worker half reads top to bottom:
+process group, run config, data, model, optimizer, resume, the loop, the end.
+
+Every run folder holds ``config.json``, ``metrics.jsonl`` (one row per step),
+``loss.png``, ``throughput.png``, ``summary.json`` and ``checkpoints/step_N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import resource
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, cast
+
+from .main import (
+    LAUNCH_ID_ENV,
+    UsageError,
+    Worker,
+    add_launch_arguments,
+    find_checkpoint,
+    from_rank0,
+    in_worker,
+    init_worker,
+    launch,
+    launch_from_args,
+)
+from .report import Reporter, read_json, read_jsonl
+
+# Flags that describe the training itself. With --resume, each one not given
+# on the command line is taken from the resumed run, so a bare
+# `shardwise train --resume DIR` continues exactly where the run stopped.
+DEFAULTS: dict[str, Any] = {
+    "model": "tiny",
+    "steps": 200,
+    "batch_size": 16,  # sequences per optimizer step, over all ranks and microbatches
+    "seq_len": None,  # the model size's own
+    "lr": 3e-3,
+    "warmup": None,  # steps // 10, at most 100
+    "grad_clip": 1.0,
+    "grad_accum": 1,
+    "hsdp": 1,
+    "activation_checkpointing": "none",
+    "mixed_precision": "none",
+    "data": None,  # the Python standard library's sources
+    "seed": 1337,
+    "eval_every": 20,
+    "eval_batches": 4,
+    "save_every": 0,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..models.gpt import CHECKPOINTING, SIZES
+
+    p = argparse.ArgumentParser(
+        prog="shardwise train",
+        description="Train a small byte-level GPT with every block fully sharded.",
+        epilog="With --resume, every training flag not given is taken from the resumed run.",
+    )
+    t = p.add_argument_group("training")
+    t.add_argument("--model", choices=list(SIZES), help="model size (default: tiny)")
+    t.add_argument("--steps", type=int, help="optimizer steps in all (default: 200)")
+    t.add_argument(
+        "--batch-size",
+        type=int,
+        help="sequences per optimizer step, over all processes (default: 16)",
+    )
+    t.add_argument("--seq-len", type=int, help="tokens (bytes) per sequence (default: the model's)")
+    t.add_argument("--lr", type=float, help="peak learning rate, AdamW (default: 3e-3)")
+    t.add_argument(
+        "--warmup", type=int, help="linear warmup steps (default: steps/10, at most 100)"
+    )
+    t.add_argument("--grad-clip", type=float, help="max gradient norm, 0 for none (default: 1.0)")
+    t.add_argument("--grad-accum", type=int, help="microbatches per optimizer step (default: 1)")
+    t.add_argument(
+        "--activation-checkpointing",
+        choices=CHECKPOINTING,
+        help="recompute block activations in backward (default: none)",
+    )
+    t.add_argument(
+        "--mixed-precision",
+        choices=["none", "bf16"],
+        help="bf16: compute in bfloat16, reduce gradients in float32 (default: none)",
+    )
+    t.add_argument(
+        "--hsdp",
+        type=int,
+        help="replicate degree R: shard within groups of "
+        "world/R processes, replicate across R groups (default: 1, plain FSDP)",
+    )
+    t.add_argument("--seed", type=int, help="seed of the initial weights and the data order")
+    d = p.add_argument_group("data and output")
+    d.add_argument(
+        "--data",
+        help="a text file or a folder of text files "
+        "(default: the Python standard library's sources)",
+    )
+    d.add_argument("--eval-every", type=int, help="validate every N steps (default: 20)")
+    d.add_argument("--eval-batches", type=int, help="validation size in batches (default: 4)")
+    d.add_argument(
+        "--save-every",
+        type=int,
+        help="also checkpoint every N steps (default: 0, only at the end or when stopped)",
+    )
+    d.add_argument(
+        "--out",
+        help="run folder (default: runs/<timestamp>; with --resume, the resumed run's folder)",
+    )
+    d.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from a run folder (its latest checkpoint) or a checkpoint folder",
+    )
+    add_launch_arguments(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if in_worker():
+        return train(args)
+    where = launch_from_args(args)
+    config = resolve(args, world=where.world)
+    prepare_run_folder(config)
+    out = Path(config["out"])
+
+    def stopped_cleanly(launch_id: str, signum: int) -> int:
+        summary = read_json(out / "summary.json")
+        return 0 if summary.get("launch_id") == launch_id else 128 + signum
+
+    return launch("train", [*argv, "--out", str(out)], where, on_signal=stopped_cleanly)
+
+
+# ---- the run's config: flags, resumed run, checks -------------------------------------------
+
+
+def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    """Every setting of the run, checked. Raises ``UsageError``; writes nothing."""
+    import torch
+
+    from .. import __version__
+    from ..data import DataError, load_corpus
+    from ..models.gpt import SIZES
+
+    given = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None}
+    resumed: dict[str, Any] = {}
+    ckpt: Path | None = None
+    if args.resume:
+        ckpt, resumed = find_checkpoint(args.resume, "--resume")
+    ckpt_step = _step_of(ckpt) if ckpt else 0
+    if ckpt:
+        for k in ("model", "seq_len"):
+            if k in given and given[k] != resumed.get(k):
+                raise UsageError(
+                    f"--resume {args.resume}: the checkpoint is of model {resumed.get('model')!r} "
+                    f"with seq_len {resumed.get('seq_len')}, not {given.get('model', resumed.get('model'))!r} "
+                    f"with seq_len {given.get('seq_len', resumed.get('seq_len'))}"
+                )
+    c = {k: given.get(k, resumed.get(k, v)) for k, v in DEFAULTS.items()}
+    model_cfg = SIZES[c["model"]].with_seq_len(c["seq_len"])
+    c["seq_len"] = model_cfg.seq_len
+    if resumed and resumed.get("model_config") != asdict(model_cfg):
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint's model shape "
+            f"{resumed.get('model_config')} differs from {c['model']!r} here"
+        )
+    if c["warmup"] is None:
+        c["warmup"] = min(100, c["steps"] // 10)
+    for k in ("steps", "batch_size", "seq_len", "grad_accum", "hsdp", "eval_every", "eval_batches"):
+        if c[k] < 1:
+            raise UsageError(f"--{k.replace('_', '-')} must be at least 1, got {c[k]}")
+    for k in ("warmup", "save_every"):
+        if c[k] < 0:
+            raise UsageError(f"--{k.replace('_', '-')} must be at least 0, got {c[k]}")
+    if not c["lr"] > 0:
+        raise UsageError(f"--lr must be positive, got {c['lr']}")
+    if world % c["hsdp"]:
+        raise UsageError(f"--hsdp {c['hsdp']} does not divide the {world} processes")
+    if c["batch_size"] % (world * c["grad_accum"]):
+        raise UsageError(
+            f"--batch-size {c['batch_size']} is not divisible by {world} processes "
+            f"x --grad-accum {c['grad_accum']}"
+        )
+    if ckpt_step >= c["steps"]:
+        raise UsageError(
+            f"--resume {args.resume}: the checkpoint is at step {ckpt_step}, "
+            f"--steps is {c['steps']}: nothing left to do (raise --steps)"
+        )
+    try:
+        corpus = load_corpus(c["data"], min_split_bytes=c["seq_len"] + 1)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    if c["data"] is not None:
+        c["data"] = str(Path(c["data"]).resolve())
+
+    run = ckpt.parent.parent if ckpt else None
+    out = _out_folder(args, resumed_run=run)
+    return {
+        **c,
+        "model_config": asdict(model_cfg),
+        "world_size": world,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "out": str(out),
+        "resume": str(ckpt.resolve()) if ckpt else None,
+        "resume_step": ckpt_step,
+        "resumed_metrics": str(run.resolve() / "metrics.jsonl") if run else None,
+        "corpus": corpus.describe(),
+        "torch_version": torch.__version__,
+        "shardwise_version": __version__,
+    }
+
+
+def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
+    if args.out is None and resumed_run is not None:
+        return resumed_run.resolve()
+    if args.out is None:
+        base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        out, n = base, 1
+        while out.exists():
+            out, n = base.with_name(f"{base.name}-{n}"), n + 1
+        return out.resolve()
+    out = Path(args.out).resolve()
+    continuing = resumed_run is not None and out == resumed_run.resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not continuing:
+        raise UsageError(
+            f"--out {args.out}: the folder already holds files; choose a new "
+            "one (or --resume the run in it)"
+        )
+    return out
+
+
+def prepare_run_folder(config: dict[str, Any]) -> None:
+    """The run's first writes: its folder, config.json, and the metrics it continues from."""
+    out = Path(config["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if config["resumed_metrics"]:
+        # Rows past the checkpoint belong to a future this run replaces.
+        rows = [
+            r
+            for r in read_jsonl(Path(config["resumed_metrics"]))
+            if r["step"] <= config["resume_step"]
+        ]
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# ---- the worker -----------------------------------------------------------------------------
+
+
+def train(args: argparse.Namespace) -> int:
+    stop = StopRequest()  # first: a signal during start-up must not kill us mid-write
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..data import BatchSampler, eval_offsets, load_corpus, windows
+    from ..models.gpt import GPT, GPTConfig, num_params, shard_model
+    from ..module import FSDPModule
+    from ..precision import MixedPrecisionPolicy
+
+    w = init_worker()
+    if os.environ.get(LAUNCH_ID_ENV) and args.out:
+        cfg = read_json(Path(args.out) / "config.json")  # our launcher resolved and wrote it
+    else:  # started by torchrun directly: rank 0 does what our launcher would have done
+
+        def resolve_and_prepare() -> dict[str, Any]:
+            c = resolve(args, world=w.world)
+            prepare_run_folder(c)
+            return c
+
+        cfg = from_rank0(resolve_and_prepare)
+    out = Path(cfg["out"])
+
+    # Data: the same corpus on every rank; each rank reads its own windows.
+    corpus = load_corpus(cfg["data"], min_split_bytes=cfg["seq_len"] + 1)
+    if corpus.sha256 != cfg["corpus"]["sha256"] and w.is_main:
+        print(
+            "warning: the data changed since this run started; losses will differ", file=sys.stderr
+        )
+    seq_len, micro_steps = cfg["seq_len"], cfg["grad_accum"]
+    sampler = BatchSampler(
+        corpus.train,
+        seq_len=seq_len,
+        batch_size=cfg["batch_size"],
+        seed=cfg["seed"],
+        rank=w.rank,
+        world=w.world,
+        grad_accum=micro_steps,
+    )
+    val_offsets = eval_offsets(
+        corpus.val,
+        seq_len=seq_len,
+        rank=w.rank,
+        world=w.world,
+        n=cfg["eval_batches"] * cfg["batch_size"],
+    )
+
+    # Model: the same initial weights on every rank, then each keeps its shards.
+    torch.manual_seed(cfg["seed"])
+    with torch.device(w.device):
+        model = GPT(GPTConfig(**cfg["model_config"]))
+    if cfg["hsdp"] > 1:
+        mesh = init_device_mesh(
+            w.device.type,
+            (cfg["hsdp"], w.world // cfg["hsdp"]),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    else:
+        mesh = init_device_mesh(w.device.type, (w.world,), mesh_dim_names=("shard",))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg["mixed_precision"] == "bf16"
+        else None
+    )
+    shard_model(
+        model, mesh=mesh, mp_policy=mp, activation_checkpointing=cfg["activation_checkpointing"]
+    )
+
+    # AdamW, nanoGPT's recipe: no weight decay on gains and biases.
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg["lr"],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+    step = 0
+    if cfg["resume"]:
+        # Also puts back each rank's RNG states (torch, CUDA, Python, NumPy).
+        extra = _checkpoint_module().load(cfg["resume"], model, optimizer) or {}
+        step = int(extra.get("step", cfg["resume_step"]))
+
+    def lr_at(s: int) -> float:
+        """Linear warmup, then cosine decay to a tenth of the peak at the last step."""
+        if s <= cfg["warmup"]:
+            return cfg["lr"] * s / max(1, cfg["warmup"])
+        frac = (s - cfg["warmup"]) / max(1, cfg["steps"] - cfg["warmup"])
+        return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        logits = model(x.to(w.device, non_blocking=True))
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), y.to(w.device).flatten(), reduction=reduction
+        )
+
+    def evaluate() -> float:
+        total = torch.zeros(2, dtype=torch.float64, device=w.device)
+        with torch.no_grad():
+            for chunk in val_offsets.split(sampler.micro):
+                x, y = windows(corpus.val, chunk, seq_len)
+                total += torch.stack(
+                    [loss_of(x, y, "sum").double(), torch.tensor(y.numel(), device=w.device)]
+                )
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def save(at: int) -> Path:
+        # The batch of a step is a function of (seed, step): the data position
+        # is the step. Each rank's RNG states are saved by the checkpoint itself.
+        path = out / "checkpoints" / f"step_{at:06d}"
+        extra = {
+            "step": at,
+            "model": cfg["model"],
+            "model_config": cfg["model_config"],
+            "data": {"seed": cfg["seed"], "next_step": at + 1, "corpus_sha256": corpus.sha256},
+        }
+        _checkpoint_module().save(path, model, optimizer, extra=extra)
+        return path
+
+    # The loop. One row of metrics per optimizer step; every rank stops at
+    # the same step boundary when any of them was asked to (Ctrl-C, SIGTERM).
+    report = Reporter(cfg, num_params(model), step) if w.is_main else None
+    tokens_per_step = cfg["batch_size"] * seq_len
+    saved_at, stopped, t_start = -1, False, time.perf_counter()
+    if w.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    while step < cfg["steps"] and not stopped:
+        step += 1
+        t0 = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        loss_sum = torch.zeros((), device=w.device)
+        for k in range(micro_steps):
+            # Reduce gradients once per step, after the last microbatch.
+            cast(FSDPModule, model).set_requires_gradient_sync(k == micro_steps - 1)
+            loss = loss_of(*sampler.batch(step, k))
+            (loss / micro_steps).backward()
+            loss_sum += loss.detach()
+        grad_norm = _clip(model, cfg["grad_clip"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        shared = torch.stack(
+            [loss_sum / micro_steps, torch.tensor(float(stop.signum is not None), device=w.device)]
+        )
+        dist.all_reduce(shared)
+        loss_val, stopped = (shared[0] / w.world).item(), bool(shared[1].item() > 0)
+        dt = time.perf_counter() - t0
+        row = {
+            "step": step,
+            "loss": loss_val,
+            "lr": lr_at(step),
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / dt,
+            "peak_mem_bytes": _peak_memory(w),
+            "time_s": time.perf_counter() - t_start,
+        }
+        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+            row["val_loss"] = evaluate()
+        if cfg["save_every"] and step % cfg["save_every"] == 0:
+            save(step)
+            saved_at = step
+        if report:
+            report.row(row)
+
+    path = save(step) if saved_at != step else out / "checkpoints" / f"step_{step:06d}"
+    if report:
+        report.finish(step, stopped, stop.signum, path)
+    dist.destroy_process_group()
+    return 0
+
+
+class StopRequest:
+    """Ctrl-C and SIGTERM only raise a flag; the loop stops at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+
+def _clip(model: Any, max_norm: float) -> float | None:
+    """Clip to ``max_norm`` (0: no clipping) and return the total gradient norm."""
+    from ..clip import clip_grad_norm_  # one all-reduce for all shards
+
+    return float(clip_grad_norm_(model.parameters(), max_norm or float("inf")))
+
+
+def _peak_memory(w: Worker) -> int:
+    """Peak GPU memory allocated by tensors; on CPU, the process's peak resident size."""
+    import torch
+
+    if w.device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(w.device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _checkpoint_module() -> Any:
+    from .. import checkpoint
+
+    return checkpoint
+
+
+def _step_of(ckpt: Path) -> int:
+    m = re.fullmatch(r"step_(\d+)", ckpt.name)
+    return int(m.group(1)) if m else 0

@@ -1,0 +1,263 @@
+"""Training features: mixed precision, accumulation, HSDP, clipping, meta-device init.
+
+Each test trains several steps against a single-process reference on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from dist_utils import run_distributed
+from models import Net, batches, loss_fn
+from test_core import assert_between_steps, shard_net
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import shardwise
+from shardwise import MixedPrecisionPolicy, collectives, fully_shard
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def global_mean(loss: torch.Tensor) -> torch.Tensor:
+    t = loss.detach().float().clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+def bf16_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = Net(d=16)
+    model = copy.deepcopy(ref)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for stage in model.stages:
+        fully_shard(stage.a, mp_policy=policy)
+        fully_shard(stage.b, mp_policy=policy)
+    fully_shard(model.extra, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    gathers: list[collectives.CollectiveRecord] = []
+    reduces: list[collectives.CollectiveRecord] = []
+    remove = collectives.add_observer(
+        lambda rec, _: (gathers if rec.kind == "all_gather" else reduces).append(rec))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for idx in batches(5):
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        assert_between_steps(model)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(ref, idx)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(global_mean(loss), ref_loss.detach(), atol=3e-2, rtol=3e-2)
+    remove()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.to_local().dtype == torch.float32, name
+        assert p.grad is None
+    assert gathers and all(r.dtype == torch.bfloat16 for r in gathers)
+    assert reduces and all(r.dtype == torch.float32 for r in reduces)
+    # bytes on the wire: half of the fp32 parameters' bytes per gather
+    n_fp32 = sum(p.numel() for p in model.extra.parameters()) * 4
+    extra = [r for r in gathers if r.label == "extra"]
+    padded = extra[0].numel  # gathered elements incl. per-rank padding
+    assert extra[0].nbytes == padded * 2 and padded * 4 < n_fp32 * 1.5
+
+
+def test_bf16_params_fp32_reduce_tracks_reference() -> None:
+    run_distributed(bf16_worker, 2)
+
+
+def accumulation_worker(rank: int, world: int, hsdp: bool) -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    mesh = shardwise.hsdp_mesh(2) if hsdp else None
+    for stage in model.stages:
+        fully_shard(stage.a, mesh=mesh)
+        fully_shard(stage.b, mesh=mesh)
+    fully_shard(model.extra, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if hsdp:
+        assert model.extra.fc1.weight.placements == (Replicate(), Shard(0))
+    seen: Counter[str] = Counter()
+    remove = collectives.add_observer(lambda rec, _: seen.update([rec.kind]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    n_reducing = 6  # (a, b) x 2 stages, extra, root
+    for idx in batches(2, batch=16):
+        micro = idx.chunk(world)[rank].chunk(4)
+        for i, mb in enumerate(micro):
+            seen.clear()
+            if i < 3:
+                with shardwise.no_sync(model):
+                    (loss_fn(model, mb) / 4).backward()
+                assert seen["reduce_scatter"] == 0 and seen["all_reduce"] == 0, seen
+            else:
+                (loss_fn(model, mb) / 4).backward()
+                assert seen["reduce_scatter"] == n_reducing, seen
+                assert seen["all_reduce"] == (n_reducing if hsdp else 0), seen
+        assert_between_steps(model)
+        opt.step()
+        opt.zero_grad()
+        loss_fn(ref, idx).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    remove()
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_accumulation_reduces_once_and_matches_whole_batch() -> None:
+    run_distributed(accumulation_worker, 2, False)
+
+
+def test_hsdp_2x2_parity_with_accumulation() -> None:
+    run_distributed(accumulation_worker, 4, True)
+
+
+def keep_gathered_worker(rank: int, world: int) -> None:
+    """set_reshard_after_backward(False): no re-gather between microbatches."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    shard_net(model, {})
+    seen: Counter[str] = Counter()
+    remove = collectives.add_observer(lambda rec, _: seen.update([rec.kind]))
+    idx = batches(1)[0]
+    micro = idx.chunk(world)[rank].chunk(2)
+    model.set_reshard_after_backward(False)
+    model.set_reshard_after_forward(False)
+    with shardwise.no_sync(model):
+        (loss_fn(model, micro[0]) / 2).backward()
+    first = seen["all_gather"]
+    model.set_reshard_after_backward(True)
+    (loss_fn(model, micro[1]) / 2).backward()
+    assert seen["all_gather"] == first, "a gathered module was gathered again"
+    remove()
+    assert_between_steps(model)
+    loss_fn(ref, idx).backward()
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_reshard_after_backward_false_keeps_parameters_between_microbatches() -> None:
+    run_distributed(keep_gathered_worker, 2)
+
+
+def clip_worker(rank: int, world: int, hsdp: bool) -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    mesh = shardwise.hsdp_mesh(2) if hsdp else None
+    for stage in model.stages:
+        fully_shard(stage.a, mesh=mesh)
+        fully_shard(stage.b, mesh=mesh)
+    fully_shard(model.extra, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, idx in enumerate(batches(3)):
+        loss_fn(model, idx.chunk(world)[rank]).backward()
+        loss_fn(ref, idx).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        if step == 0 and not hsdp:
+            # torch's own works on a single mesh; it returns a DTensor
+            grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+            torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            if isinstance(torch_norm, DTensor):
+                torch_norm = torch_norm.full_tensor()
+            torch.testing.assert_close(torch_norm, ref_norm, atol=1e-5, rtol=1e-5)
+            for g, p in zip(grads, model.parameters()):
+                torch.testing.assert_close(p.grad.full_tensor(), g)
+        norm = shardwise.clip_grad_norm_(model.parameters(), 0.05)
+        torch.testing.assert_close(norm, ref_norm, atol=1e-5, rtol=1e-5)
+        for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-6, rtol=1e-5, msg=n)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), atol=1e-5, rtol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize(("world", "hsdp"), [(2, False), (4, False), (4, True)],
+                         ids=["w2", "w4", "hsdp-2x2"])
+def test_clip_grad_norm_parity(world: int, hsdp: bool) -> None:
+    run_distributed(clip_worker, world, hsdp)
+
+
+def init_weights(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, std=0.5)
+    elif isinstance(m, Net):
+        nn.init.normal_(m.pos, std=0.1)
+
+
+def meta_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    torch.manual_seed(1)
+    shardwise.materialize(ref, None, init_weights)  # the single-process reference
+    with torch.device("meta"):
+        model = Net()
+    shard_net(model, {})
+    for p in model.parameters():
+        assert p.to_local().is_meta
+    torch.manual_seed(1)
+    shardwise.materialize(model, "cpu", init_weights)
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert isinstance(p, DTensor) and not p.to_local().is_meta
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), msg=n)
+    # and it trains like the reference
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for idx in batches(3):
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(ref, idx)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(global_mean(loss), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_meta_device_init_matches_reference() -> None:
+    run_distributed(meta_worker, 2)
+
+
+def bad_training_input_worker(rank: int, world: int) -> dict[str, str]:
+    msgs = {}
+    with pytest.raises(ValueError) as e:
+        shardwise.hsdp_mesh(3)
+    msgs["hsdp"] = str(e.value)
+    with pytest.raises(ValueError) as e:
+        MixedPrecisionPolicy(param_dtype=torch.int32)
+    msgs["dtype"] = str(e.value)
+    plain = nn.Linear(2, 2)
+    with pytest.raises(TypeError) as e:
+        with shardwise.no_sync(plain):
+            pass
+    msgs["no_sync"] = str(e.value)
+    with pytest.raises(AttributeError):
+        plain.set_requires_gradient_sync(False)  # type: ignore[operator]
+    return msgs
+
+
+def test_bad_training_input() -> None:
+    msgs = run_distributed(bad_training_input_worker, 2)[0]
+    assert "divisor of the world size (2)" in msgs["hsdp"]
+    assert "param_dtype" in msgs["dtype"] and "floating-point" in msgs["dtype"]
+    assert "fully_shard" in msgs["no_sync"]
