@@ -24,12 +24,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple,
+           backend: str) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
         out = fn(rank, world, *args)
@@ -41,12 +44,17 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, arg
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results by rank."""
+def run_distributed(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, backend: str = "gloo"
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks; return results by rank.
+
+    ``backend="cpu:gloo,cuda:nccl"`` runs one rank per GPU (the CUDA suite).
+    """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, backend)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

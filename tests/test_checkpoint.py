@@ -1,0 +1,546 @@
+"""Checkpointing: exact resume, resharding, full state dicts, FSDP2 interop, crash safety.
+
+Workers run on real gloo ranks (tests/dist_utils.py) and must live at module
+level. Tensors come back to the test as numpy arrays: a tensor sent through the
+result queue lives in shared memory that dies with its worker.
+
+Every global batch is the same at every world size (each rank takes its slice
+of 12 samples), so runs at different world sizes train the same model and
+their losses agree up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from dist_utils import run_distributed
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import shardwise
+from shardwise import checkpoint
+
+D_IN, D, H = 5, 6, 10
+GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
+K = 3  # steps before and after the checkpoint
+
+# name -> (dropout, HSDP, mixed precision). Dropout makes exact resume depend on RNG states.
+CONFIGS = {
+    "adamw": (0.1, False, False),
+    "mixed": (0.1, False, True),
+    "hsdp": (0.1, True, False),
+    "nodrop": (0.0, False, False),  # comparable across world sizes
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dropout: float, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, hidden)
+        self.fc2 = nn.Linear(hidden, D)
+        self.norm = nn.LayerNorm(D)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.drop(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class Net(nn.Module):
+    """Shapes chosen for uneven and empty shards: 10, 6 and 1 rows over 2, 3, 4 ranks."""
+
+    def __init__(self, dropout: float = 0.0, hidden: int = H, blocks: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.blocks = nn.ModuleList([Block(dropout, hidden) for _ in range(blocks)])
+        self.head = nn.Linear(D, 1)
+        self.register_buffer("scale", torch.tensor([1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h) * self.scale
+
+
+class NetPlus(Net):
+    """One parameter more than Net."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(2, 3)
+
+
+def shard(model: nn.Module, mesh: Any = None, mp: bool = False, fsdp2: bool = False) -> nn.Module:
+    if fsdp2:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        for b in model.blocks:  # type: ignore[union-attr]
+            torch_fully_shard(b)
+        torch_fully_shard(model)
+        return model
+    policy = shardwise.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mp else None
+    for b in model.blocks:  # type: ignore[union-attr]
+        shardwise.fully_shard(b, mesh=mesh, mp_policy=policy)
+    shardwise.fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def build(name: str, world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    dropout, hsdp, mp = CONFIGS[name]
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
+    model = shard(Net(dropout), mesh=mesh, mp=mp)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.02)
+
+
+def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, D_IN, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 1, generator=g)
+    per = GLOBAL_BATCH // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    """Global mean losses of ``steps``; the data depends on the step only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        x, y = batch(step, rank, world)
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    return losses
+
+
+def weights(model: nn.Module) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
+    return out
+
+
+def opt_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, np.ndarray]:
+    osd = get_optimizer_state_dict(model, opt)
+    return {f"{fqn}.{n}": (v.full_tensor() if isinstance(v, DTensor) else v).numpy().copy()
+            for fqn, entries in osd["state"].items() for n, v in entries.items()}
+
+
+def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], tol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=tol, atol=tol, err_msg=k)
+
+
+def expect_error(fn: Any, *needles: str) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        for n in needles:
+            assert n in str(e), f"{n!r} not in error:\n{e}"
+        return str(e)
+    raise AssertionError(f"no ValueError (expected one mentioning {needles})")
+
+
+def extra_for(step: int) -> dict[str, Any]:
+    return {"step": step, "data": {"epoch": 0, "sample": step * GLOBAL_BATCH}}
+
+
+# ---- exact resume and resharding ----------------------------------------------------------
+
+
+def _train_save_continue(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
+    """K steps, save, K more: the uninterrupted run each resume is compared with."""
+    out = {}
+    for name in names:
+        model, opt = build(name, world, seed=0)
+        torch.manual_seed(100 + rank)  # per-rank dropout streams
+        first = train(model, opt, range(K))
+        checkpoint.save(f"{root}/{name}", model, opt, extra=extra_for(K))
+        out[name] = (first, train(model, opt, range(K, 2 * K)), weights(model))
+        if name == "hsdp":  # the export path on a 2-D mesh
+            fsd = checkpoint.full_state_dict(model, rank0_only=False)
+            assert same({k: v.numpy() for k, v in fsd.items()}, out[name][2])
+    return out
+
+
+def _load_continue(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
+    """Fresh processes, another init and RNG state: load, then the same K steps."""
+    out = {}
+    for name in names:
+        model, opt = build(name, world, seed=7)
+        torch.manual_seed(999)
+        extra = checkpoint.load(f"{root}/{name}", model, opt)
+        assert extra == extra_for(K), extra
+        out[name] = (train(model, opt, range(K, 2 * K)), weights(model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("ckpt2"))
+    return root, run_distributed(_train_save_continue, 2, ["adamw", "mixed", "nodrop"], root)[0]
+
+
+@pytest.fixture(scope="module")
+def saved4(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("ckpt4"))
+    return root, run_distributed(_train_save_continue, 4, ["hsdp", "nodrop"], root)[0]
+
+
+def _assert_bitwise(before: dict[str, Any], after: dict[str, Any], names: list[str]) -> None:
+    for name in names:
+        losses, final = before[name][1], before[name][2]
+        assert after[name][0] == losses, name  # == on floats: bitwise
+        assert same(after[name][1], final), name
+
+
+def test_exact_resume_adamw_and_mixed_precision(saved2: tuple[str, dict[str, Any]]) -> None:
+    root, before = saved2
+    after = run_distributed(_load_continue, 2, ["adamw", "mixed"], root)
+    _assert_bitwise(before, after[0], ["adamw", "mixed"])
+    _assert_bitwise(before, after[1], ["adamw", "mixed"])
+    assert before["adamw"][0] != before["adamw"][1]  # it did train
+
+
+def test_exact_resume_hsdp(saved4: tuple[str, dict[str, Any]]) -> None:
+    root, before = saved4
+    for result in run_distributed(_load_continue, 4, ["hsdp"], root):
+        _assert_bitwise(before, result, ["hsdp"])
+
+
+@pytest.mark.parametrize("saved_world,load_world", [(4, 2), (2, 3)])
+def test_reshard(saved_world: int, load_world: int, request: pytest.FixtureRequest) -> None:
+    root, before = request.getfixturevalue(f"saved{saved_world}")
+    losses, final = run_distributed(_load_continue, load_world, ["nodrop"], root)[0]["nodrop"]
+    np.testing.assert_allclose(losses, before["nodrop"][1], rtol=1e-5, atol=1e-6)
+    close(final, before["nodrop"][2])
+
+
+# ---- full state dicts -----------------------------------------------------------------------
+
+
+def _full_state_dict_worker(rank: int, world: int, ref_file: str) -> None:
+    ref = torch.load(ref_file)
+    torch.manual_seed(0)  # the same init as the reference
+    model = shard(Net())
+    fsd = checkpoint.full_state_dict(model)
+    if rank == 0:
+        assert list(fsd) == list(ref) and all(torch.equal(fsd[k], ref[k]) for k in ref)
+    else:
+        assert fsd == {}
+    every = checkpoint.full_state_dict(model, cpu_offload=False, rank0_only=False)
+    assert list(every) == list(ref) and all(torch.equal(every[k], ref[k]) for k in ref)
+    for v in every.values():
+        v.add_(1.0)  # an export never aliases the model
+    assert same(weights(model), {k: v.numpy() for k, v in ref.items()})
+
+    # Round trip after training: export, shard into a fresh model (rank 0 only), export again.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    train(model, opt, range(2))
+    trained = checkpoint.full_state_dict(model, rank0_only=False)
+    torch.manual_seed(5)
+    fresh = shard(Net())
+    ptrs = [p.to_local().data_ptr() for p in fresh.parameters()]
+    checkpoint.load_full_state_dict(fresh, trained if rank == 0 else None)
+    assert [p.to_local().data_ptr() for p in fresh.parameters()] == ptrs  # in place
+    again = checkpoint.full_state_dict(fresh, rank0_only=False)
+    assert all(torch.equal(again[k], trained[k]) for k in trained)
+    plain = Net()
+    plain.load_state_dict(trained)  # any PyTorch code can load an export
+    x = batch(0, 0, 1)[0]
+    torch.testing.assert_close(fresh(x), plain(x))
+
+    # A plain torch.save'd single-process checkpoint, passed on every rank.
+    torch.manual_seed(9)
+    other = shard(Net())
+    checkpoint.load_full_state_dict(other, torch.load(ref_file))
+    assert same(weights(other), {k: v.numpy() for k, v in ref.items()})
+
+    # Meta-device init, then weights from rank 0: the usual way to start from an export.
+    with torch.device("meta"):
+        meta = Net()
+    shard(meta)
+    meta.to_empty(device="cpu")
+    checkpoint.load_full_state_dict(meta, torch.load(ref_file) if rank == 0 else None)
+    reference = Net()
+    reference.load_state_dict(torch.load(ref_file))
+    torch.testing.assert_close(meta(x), reference(x))
+
+
+def test_full_state_dict_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ref_file = str(tmp_path / "plain.pt")
+    torch.save(Net().state_dict(), ref_file)
+    run_distributed(_full_state_dict_worker, 3, ref_file)  # 3 ranks: head.weight has empty shards
+
+
+# ---- torch FSDP2 interoperability -------------------------------------------------------------
+
+
+def _interop_worker(rank: int, world: int, root: str) -> None:
+    # The state dict contract: original names, DTensor parameters, plain buffers.
+    torch.manual_seed(0)
+    ours = shard(Net())
+    sd = ours.state_dict()
+    assert list(sd) == list(Net().state_dict())
+    for k, v in sd.items():
+        if k == "scale":
+            assert type(v) is torch.Tensor
+        else:
+            assert isinstance(v, DTensor) and v.placements == (Shard(0),), k
+    # dcp.save/load and load_state_dict work on it directly, in place.
+    dcp.save(sd, checkpoint_id=f"{root}/raw")
+    torch.manual_seed(1)
+    fresh = shard(Net())
+    ptrs = [p.to_local().data_ptr() for p in fresh.parameters()]
+    fresh_sd = fresh.state_dict()
+    dcp.load(fresh_sd, checkpoint_id=f"{root}/raw")
+    fresh.load_state_dict(fresh_sd)
+    assert [p.to_local().data_ptr() for p in fresh.parameters()] == ptrs
+    assert same(weights(fresh), weights(ours))
+
+    # FSDP2 -> shardwise: DCP's usual {"model", "optim"} layout, then a flat model-only one.
+    torch.manual_seed(0)
+    theirs = shard(Net(), fsdp2=True)
+    topt = torch.optim.AdamW(theirs.parameters(), lr=0.02)
+    train(theirs, topt, range(2))
+    dcp.save({"model": get_model_state_dict(theirs), "optim": get_optimizer_state_dict(theirs, topt)},
+             checkpoint_id=f"{root}/fsdp2")
+    dcp.save(theirs.state_dict(), checkpoint_id=f"{root}/fsdp2_flat")
+    at_step2 = weights(theirs)
+    torch.manual_seed(5)
+    ours = shard(Net())
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.02)
+    assert checkpoint.load(f"{root}/fsdp2", ours, opt) is None  # no extra in a plain DCP folder
+    assert same(weights(ours), weights(theirs))
+    assert same(opt_state(ours, opt), opt_state(theirs, topt))
+    np.testing.assert_allclose(train(ours, opt, range(2, 4)), train(theirs, topt, range(2, 4)),
+                               rtol=1e-6)
+    torch.manual_seed(6)
+    flat = shard(Net())
+    checkpoint.load(f"{root}/fsdp2_flat", flat)
+    assert same(weights(flat), at_step2)
+
+    # shardwise -> FSDP2, with DCP's own calls on the FSDP2 side.
+    checkpoint.save(f"{root}/ours", ours, opt, extra={"step": 4})
+    torch.manual_seed(7)
+    back = shard(Net(), fsdp2=True)
+    bopt = torch.optim.AdamW(back.parameters(), lr=0.02)
+    state = {"model": get_model_state_dict(back), "optim": get_optimizer_state_dict(back, bopt)}
+    dcp.load(state, checkpoint_id=f"{root}/ours")
+    set_model_state_dict(back, state["model"])
+    set_optimizer_state_dict(back, bopt, state["optim"])
+    assert same(weights(back), weights(ours))
+    assert same(opt_state(back, bopt), opt_state(ours, opt))
+    np.testing.assert_allclose(train(back, bopt, range(4, 6)), train(ours, opt, range(4, 6)),
+                               rtol=1e-6)
+
+
+def test_fsdp2_interop(tmp_path: Path) -> None:
+    run_distributed(_interop_worker, 2, str(tmp_path), timeout=180)
+
+
+# ---- interrupted saves ------------------------------------------------------------------------
+
+
+def _gathered_save_worker(rank: int, world: int, root: str) -> None:
+    """A module left gathered (no reshard after backward) still saves its shards."""
+    torch.manual_seed(0)
+    model = shard(Net())
+    model.set_reshard_after_backward(False)  # type: ignore[operator]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    train(model, opt, range(2))
+    checkpoint.save(f"{root}/gathered", model, opt)
+    expected = weights(model)
+    torch.manual_seed(1)
+    fresh, fopt = build("nodrop", world, seed=1)
+    checkpoint.load(f"{root}/gathered", fresh, fopt)
+    assert same(weights(fresh), expected)
+
+
+def _failing_save_worker(rank: int, world: int, root: str) -> None:
+    path = Path(root) / "ck"
+    model, opt = build("nodrop", world, seed=0)
+    train(model, opt, range(1))
+    checkpoint.save(path, model, opt, extra=extra_for(1))
+    v1 = weights(model)
+    train(model, opt, range(1, 2))
+
+    # Rank 1's writer dies after writing its data, before DCP's metadata exists.
+    original = dcp.FileSystemWriter.write_data
+
+    def broken(self: Any, plan: Any, planner: Any) -> Any:
+        result = original(self, plan, planner)
+        if rank == 1:
+            raise OSError("disk full (simulated)")
+        return result
+
+    dcp.FileSystemWriter.write_data = broken  # type: ignore[method-assign]
+    try:
+        checkpoint.save(path, model, opt, extra=extra_for(2))
+    except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
+        assert "disk full" in str(e), e
+    else:
+        raise AssertionError("the broken save did not raise")
+    finally:
+        dcp.FileSystemWriter.write_data = original  # type: ignore[method-assign]
+
+    # Rank 0 fails while committing: an unpicklable extra. Every rank must raise.
+    try:
+        checkpoint.save(path, model, opt, extra={"step": 2, "oops": lambda: None})
+    except Exception as e:  # noqa: BLE001
+        assert rank == 0 or "rank 0" in str(e), e
+    else:
+        raise AssertionError("the unpicklable extra did not raise")
+
+    dist.barrier()
+    assert sorted(os.listdir(path.parent)) == ["ck", "ck.partial"]
+    fresh, fopt = build("nodrop", world, seed=3)
+    assert checkpoint.load(path, fresh, fopt) == extra_for(1)
+    assert same(weights(fresh), v1)
+
+    # The next good save replaces it and leaves nothing else behind.
+    checkpoint.save(path, model, opt, extra=extra_for(2))
+    dist.barrier()
+    assert sorted(os.listdir(path.parent)) == ["ck"]
+    assert checkpoint.load(path, fresh, fopt) == extra_for(2)
+    assert same(weights(fresh), weights(model))
+
+
+def _killed_save_worker(rank: int, world: int, root: str) -> None:
+    model, opt = build("nodrop", world, seed=0)
+    checkpoint.save(f"{root}/ck", model, opt, extra=extra_for(1))
+    original = dcp.FileSystemWriter.write_data
+
+    def killed(self: Any, plan: Any, planner: Any) -> Any:
+        original(self, plan, planner)
+        os._exit(1)  # killed half-way: data written, no metadata, no extra, no rename
+
+    dcp.FileSystemWriter.write_data = killed  # type: ignore[method-assign]
+    checkpoint.save(f"{root}/ck", model, opt, extra=extra_for(2))
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    run_distributed(_failing_save_worker, 2, str(tmp_path))
+    run_distributed(_gathered_save_worker, 2, str(tmp_path))
+
+
+def test_killed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="crashed"):
+        run_distributed(_killed_save_worker, 1, str(tmp_path), timeout=60)
+    path = tmp_path / "ck"
+    assert (path / ".metadata").is_file() and (tmp_path / "ck.partial").is_dir()
+    # Read back without torch.distributed: a plain model loads a sharded checkpoint.
+    plain = Net()
+    assert checkpoint.load(path, plain) == extra_for(1)
+    checkpoint.save(path, plain, extra=extra_for(2))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_crash_between_renames_falls_back_and_recovers(tmp_path: Path) -> None:
+    """Single process, no torch.distributed: the commit's one window without ``path``."""
+    path = tmp_path / "ck"
+    torch.manual_seed(0)
+    model = Net()
+    checkpoint.save(path, model, extra=1)
+    path.rename(tmp_path / "ck.previous")  # as if killed between the two renames
+    other = Net()
+    with pytest.warns(UserWarning, match="interrupted"):
+        assert checkpoint.load(path, other) == 1
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(),
+                                                 model.state_dict().values()))
+    checkpoint.save(path, model, extra=2)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert checkpoint.load(path, other) == 2
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("not a checkpoint")
+    with pytest.raises(FileExistsError, match="not a checkpoint"):
+        checkpoint.save(tmp_path / "notes", model)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "not a checkpoint"
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+def _bad_input_worker(rank: int, world: int, root: str) -> None:
+    model, opt = build("nodrop", world, seed=0)
+    train(model, opt, range(1))
+    checkpoint.save(f"{root}/ck", model, opt, extra=extra_for(1))
+    checkpoint.save(f"{root}/model_only", model)
+    good = checkpoint.full_state_dict(model, rank0_only=False)
+
+    def victim(net: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(3)
+        m = shard(net)
+        o = torch.optim.AdamW(m.parameters(), lr=0.02)
+        train(m, o, range(1))  # optimizer state exists: it must survive a failed load too
+        return m, o, (weights(m), opt_state(m, o))
+
+    def unchanged(m: nn.Module, o: torch.optim.Optimizer, snap: Any) -> None:
+        assert same(weights(m), snap[0]) and same(opt_state(m, o), snap[1])
+
+    ck = f"{root}/ck"
+    m, o, snap = victim(Net(hidden=12))
+    expect_error(lambda: checkpoint.load(ck, m, o),
+                 "'blocks.0.fc1.weight' has shape [10, 6] in the checkpoint but [12, 6]")
+    unchanged(m, o, snap)
+    m, o, snap = victim(NetPlus())
+    expect_error(lambda: checkpoint.load(ck, m, o), "'extra.weight' is missing", "[3, 2]")
+    unchanged(m, o, snap)
+    m, o, snap = victim(Net(blocks=1))
+    expect_error(lambda: checkpoint.load(ck, m, o),
+                 "'blocks.1.fc1.weight' (checkpoint shape [10, 6]) is not in the model")
+    unchanged(m, o, snap)
+    m, o, snap = victim(Net().double())
+    expect_error(lambda: checkpoint.load(ck, m, o), "'inp.weight' has dtype torch.float32")
+    unchanged(m, o, snap)
+
+    m, o, snap = victim(Net())
+    expect_error(lambda: checkpoint.load(f"{root}/model_only", m, o), "holds no optimizer state")
+    unchanged(m, o, snap)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    expect_error(lambda: checkpoint.load(ck, m, sgd), "momentum_buffer", "another optimizer")
+    unchanged(m, o, snap)
+
+    # Full state dicts: from rank 0 only (every rank must raise), then from every rank.
+    wide = Net(hidden=12).state_dict()
+    expect_error(lambda: checkpoint.load_full_state_dict(m, wide if rank == 0 else None),
+                 "'blocks.0.fc1.weight' has shape [12, 6] in the state dict but [10, 6]")
+    unchanged(m, o, snap)
+    partial = {k: v for k, v in good.items() if k != "head.bias"}
+    partial["head.extra"] = torch.zeros(2)
+    expect_error(lambda: checkpoint.load_full_state_dict(m, partial),
+                 "'head.bias' is missing from the state dict (model shape [1])",
+                 "'head.extra' (state dict shape [2]) is not in the model")
+    unchanged(m, o, snap)
+    expect_error(lambda: checkpoint.load_full_state_dict(m, None), "rank 0 passed no state dict")
+    unchanged(m, o, snap)
+
+
+def test_bad_input_raises_clear_error_and_changes_nothing(tmp_path: Path) -> None:
+    run_distributed(_bad_input_worker, 2, str(tmp_path))
