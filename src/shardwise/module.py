@@ -56,6 +56,8 @@ class ModuleState:
         self.backward_done = False
         self.fwd_targets: list[ModuleState] | None = None  # None: from the context's order
         self.bwd_targets: list[ModuleState] | None = None
+        self.fwd_default: list[ModuleState] = []  # from the context's static order
+        self.bwd_default: list[ModuleState] = []
 
     def __repr__(self) -> str:
         return f"ModuleState({self.label!r}, phase={self.phase.name})"
@@ -81,22 +83,25 @@ class ModuleState:
                     s.group.label = s.label
                 states.append(s)
         ctx = FSDPContext(self, states)
+        gathering = [s for s in states if s.group is not None]
         for s in states:
             s.context = ctx
+            # Computed once here: the hooks run for every module, every step.
+            later = [t for t in gathering if t.order_index > s.order_index]
+            earlier = [t for t in gathering if t.order_index < s.order_index]
+            s.fwd_default = later[: s.prefetch]
+            s.bwd_default = earlier[::-1][: s.prefetch]
         return ctx
 
     def _forward_targets(self, ctx: FSDPContext) -> list[ModuleState]:
         if self.fwd_targets is not None:
             return self.fwd_targets
-        return [s for s in ctx.states[self.order_index + 1 :] if s.group][: self.prefetch]
+        return self.fwd_default
 
     def _backward_targets(self, ctx: FSDPContext) -> list[ModuleState]:
         if self.bwd_targets is not None:
             return self.bwd_targets
-        if self.prefetch == 0:
-            return []
-        earlier = [s for s in ctx.states[: self.order_index] if s.group]
-        return earlier[::-1][: self.prefetch]
+        return self.bwd_default
 
     def _gather(self, prefetch: list[ModuleState]) -> None:
         """Issue our gather, then the prefetches, then wait for ours only."""

@@ -236,12 +236,12 @@ class ParamGroup:
             return
         self.unsharded_flat.untyped_storage().resize_(
             self.unsharded_flat.numel() * self.unsharded_flat.element_size())
-        src = self.flat if self.compute_dtype == self.orig_dtype else self.flat.to(self.compute_dtype)
         if self.world == 1:
-            self.unsharded_flat.copy_(src)  # the cast is the whole "gather"
+            self.unsharded_flat.copy_(self.flat)  # one casting copy is the whole "gather"
             self.state = GroupState.UNSHARDED
             self._install_plain()
             return
+        src = self.flat if self.compute_dtype == self.orig_dtype else self.flat.to(self.compute_dtype)
         direct = len(self.params) == 1  # rank-major == param-major
         out = self.unsharded_flat if direct else torch.empty(
             self.world * self.shard_numel, dtype=self.compute_dtype, device=self.flat.device)
@@ -340,8 +340,9 @@ class ParamGroup:
                 g = g.to(self.orig_dtype)
             p = sp.sharded
             if p.grad is None:
-                p.grad = DTensor.from_local(g, self.mesh, self.placements, run_check=False,
-                                            shape=sp.shape, stride=_contiguous_stride(sp.shape))
+                # The parameter's own spec fits its gradient (same mesh, placements,
+                # shape, dtype); the constructor skips from_local's autograd and checks.
+                p.grad = DTensor(g, p._spec, requires_grad=False)  # type: ignore[attr-defined]
             else:
                 local_of(p.grad).add_(g)
 
