@@ -14,6 +14,7 @@ from .context import FSDPContext, LifecycleError, Phase
 from .module import FSDPModule, UnshardHandle
 from .materialize import materialize
 from .precision import MixedPrecisionPolicy
+from .trace import Tracer, trace
 
 __all__ = [
     "FSDPContext",
@@ -21,11 +22,13 @@ __all__ = [
     "LifecycleError",
     "MixedPrecisionPolicy",
     "Phase",
+    "Tracer",
     "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",
     "hsdp_mesh",
     "materialize",
     "no_sync",
+    "trace",
 ]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ exactly as it was.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -58,6 +59,7 @@ def fully_shard(
     mp_policy: Any = None,
     ignored_params: set[nn.Parameter] | None = None,
     prefetch: int = 1,
+    check: bool | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh``, gathering them only while it runs.
 
@@ -68,7 +70,9 @@ def fully_shard(
     becomes a subclass of ``FSDPModule``; the same object is returned.
 
     ``prefetch`` is how many modules ahead (in forward, then backward order)
-    are gathered while this one computes.
+    are gathered while this one computes. ``check=True`` (or ``SHARDWISE_CHECK=1``
+    when this is called) verifies the lifecycle at every forward entry and
+    backward end and raises ``LifecycleError`` on a violation (check.py).
     """
     if isinstance(module, FSDPModule):
         raise ValueError(
@@ -90,8 +94,10 @@ def fully_shard(
     named = _owned_params(module, ignored)
     _check_params(module, named, mesh.device_type)
 
+    if check is None:
+        check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
     label = type(module).__name__
-    state = ModuleState(module, mesh, reshard_after_forward, policy, prefetch, label)
+    state = ModuleState(module, mesh, reshard_after_forward, policy, prefetch, label, bool(check))
     if named:
         state.group = ParamGroup(state, named, mesh, policy, label)
     for _, p, _ in named:

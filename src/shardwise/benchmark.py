@@ -111,7 +111,14 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
                 logits = model(idx[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, vocab), idx[:, 1:].reshape(-1))
             loss.backward()
-            opt.step()
+            try:
+                opt.step()
+            except RuntimeError:
+                if step or not opt.defaults.get("fused"):
+                    raise
+                # fused AdamW refused these parameters (DTensor on an older torch)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                opt.step()
             opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
@@ -124,7 +131,8 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
         dist.all_gather(gathered, stats)  # gloo on CPU tensors: fine for both backends
         n_params = sum(p.numel() for p in model.parameters())
         if rank == 0:
-            q.put(("ok", {"step_s": max(float(t[0]) for t in gathered),
+            q.put(("ok", {"fused_adamw": bool(opt.defaults.get("fused")),
+                          "step_s": max(float(t[0]) for t in gathered),
                           "peak_bytes": max(float(t[1]) for t in gathered),
                           "params": n_params}))
         dist.destroy_process_group()
@@ -228,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="A B C rounds, alternated")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda when available")
     p.add_argument("--json", default="bench.json", help="where to write the results")
     p.add_argument("--plot", default=None, help="also draw a bar chart PNG here")
     p.add_argument("--overhead", action="store_true",
@@ -240,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise bench: unknown --model {args.model!r}; choose from {sorted(SIZES)}",
               file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
     nproc = args.nproc or (1 if cuda else 2)
     acs, mps = args.ac.split(","), args.mp.split(",")
     bad = [a for a in acs if a not in CHECKPOINTING] + [m for m in mps if m not in ("none", "bf16")]
@@ -267,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = batch * seq * nproc / step
                 row = {"config": c, "model": args.model, "nproc": nproc, "ac": ac, "mp": mp,
                        "step_ms": step * 1e3, "tokens_per_s": tokens, "peak_gib": peak / 2**30,
-                       "params": results[c][0]["params"], "device": device}
+                       "params": results[c][0]["params"], "device": device,
+                       "fused_adamw": results[c][0]["fused_adamw"]}
                 if cuda:
                     flops = model_flops_per_token(row["params"], job) * tokens / nproc
                     row["mfu"] = flops / H200_BF16_PEAK

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import trace
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -52,11 +54,12 @@ def add_observer(fn: Observer) -> Callable[[], None]:
 class Pending:
     """An issued collective. ``wait()`` is idempotent; ``then`` runs after it."""
 
-    __slots__ = ("_work", "_then", "done", "issued_at", "done_at", "on_done")
+    __slots__ = ("_work", "_then", "label", "done", "issued_at", "done_at", "on_done")
 
-    def __init__(self, work: Any, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: Any, then: Callable[[], None] | None = None, label: str = "") -> None:
         self._work = work
         self._then = then
+        self.label = label
         self.done = False
         self.issued_at = time.perf_counter()
         self.done_at: float | None = None
@@ -65,8 +68,13 @@ class Pending:
     def wait(self) -> None:
         if self.done:
             return
+        tracer = trace.active()
+        start = tracer.now() if tracer is not None else None
         if self._work is not None:
             self._work.wait()
+        if tracer is not None:
+            # How long compute waited for this collective: exposed communication.
+            tracer.span("wait", self.label, start, tracer.now())
         if self._then is not None:
             self._then()
         self.done = True
@@ -87,7 +95,7 @@ def all_gather(
 ) -> Pending:
     """Gather every rank's ``input`` into ``output`` (rank-major), asynchronously."""
     work = _all_gather(output, input, group=group, async_op=True)
-    p = Pending(work)
+    p = Pending(work, label=label)
     _notify("all_gather", output, dist.get_world_size(group), label, p)
     return p
 
@@ -102,7 +110,7 @@ def reduce_scatter_mean(
     """
     n = dist.get_world_size(group)
     work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    p = Pending(work, then=lambda: output.div_(n))
+    p = Pending(work, then=lambda: output.div_(n), label=label)
     _notify("reduce_scatter", input, n, label, p)
     return p
 
@@ -111,6 +119,6 @@ def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup, label: str =
     """Average ``tensor`` in place over the group (HSDP's replicate dimension)."""
     n = dist.get_world_size(group)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    p = Pending(work, then=lambda: tensor.div_(n))
+    p = Pending(work, then=lambda: tensor.div_(n), label=label)
     _notify("all_reduce", tensor, n, label, p)
     return p

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import trace
+
 if TYPE_CHECKING:
     from .module import ModuleState
     from .param_group import ReduceJob
@@ -50,32 +52,99 @@ class LifecycleError(RuntimeError):
     """A module broke the unshard/reshard lifecycle; the message says where and how."""
 
 
+class ExecutionOrder:
+    """The order modules needed their parameters in one forward (or backward), and
+    for each position the modules to prefetch there.
+
+    The static module-tree order is only a guess; the real order is known after
+    one step. A forward that departs from the recorded order stops prefetching
+    for the rest of that pass (no wasted gathers) and is recorded instead.
+    """
+
+    def __init__(self, states: list[ModuleState], depth_of: dict[int, int]) -> None:
+        self.states = states
+        gathering = [i for i, s in enumerate(states) if s.group is not None]
+        self.targets: list[list[ModuleState]] = []
+        for pos, s in enumerate(states):
+            ahead: list[ModuleState] = []
+            for i in gathering:
+                if i > pos and states[i] is not s and states[i] not in ahead:
+                    ahead.append(states[i])
+                if len(ahead) >= depth_of[id(s)]:
+                    break
+            self.targets.append(ahead)
+
+    def same(self, states: list[ModuleState]) -> bool:
+        return len(states) == len(self.states) and all(a is b for a, b in zip(states, self.states))
+
+
 class FSDPContext:
     """Shared state of one root: the module orders, the phase, reductions in flight."""
 
     def __init__(self, root: ModuleState, states: list[ModuleState]) -> None:
         self.root = root
         # Static forward order: module-tree pre-order, the order sharded modules
-        # are usually called in. Backward runs it in reverse.
+        # are usually called in. Backward runs it in reverse. Replaced by the
+        # recorded orders after the first step.
         self.states = states
         for i, s in enumerate(states):
             s.order_index = i
         self.phase = Phase.IDLE
         self.pending_reduces: list[ReduceJob] = []
         self.events: deque[str] = deque(maxlen=32)
+        self.check = any(s.check for s in states)
+        self.fwd_order: ExecutionOrder | None = None
+        self.bwd_order: ExecutionOrder | None = None
+        self._fwd_seen: list[ModuleState] = []
+        self._bwd_seen: list[ModuleState] = []
+        self._fwd_on_track = True
+        self._bwd_on_track = True
 
     def __repr__(self) -> str:
         return f"FSDPContext(root={self.root.label!r}, modules={len(self.states)}, phase={self.phase.name})"
 
-    # ---- orders -------------------------------------------------------------------------
+    # ---- recorded orders -----------------------------------------------------------------
 
-    def forward_next(self, state: ModuleState, n: int) -> list[ModuleState]:
-        i = state.order_index
-        return self.states[i + 1 : i + 1 + n]
+    def begin_forward(self) -> None:
+        self._fwd_seen = []
+        self._fwd_on_track = True
+        tracer = trace.active()
+        if tracer is not None:
+            tracer.begin("forward", "")
 
-    def backward_next(self, state: ModuleState, n: int) -> list[ModuleState]:
-        i = state.order_index
-        return self.states[max(0, i - n) : i][::-1]
+    def forward_needs(self, state: ModuleState) -> list[ModuleState] | None:
+        """Record that ``state`` runs its forward now; return what to prefetch
+        from the recorded order (None: no recorded order yet, use the static one)."""
+        pos = len(self._fwd_seen)
+        self._fwd_seen.append(state)
+        order = self.fwd_order
+        if order is None:
+            return None
+        if self._fwd_on_track and pos < len(order.states) and order.states[pos] is state:
+            return order.targets[pos]
+        self._fwd_on_track = False
+        return []
+
+    def end_forward(self) -> None:
+        if self.fwd_order is None or not self.fwd_order.same(self._fwd_seen):
+            self.fwd_order = ExecutionOrder(self._fwd_seen, self._depths())
+        tracer = trace.active()
+        if tracer is not None:
+            tracer.end("forward", "")
+
+    def backward_needs(self, state: ModuleState) -> list[ModuleState] | None:
+        pos = len(self._bwd_seen)
+        self._bwd_seen.append(state)
+        order = self.bwd_order
+        if order is None:
+            return None
+        if self._bwd_on_track and pos < len(order.states) and order.states[pos] is state:
+            return order.targets[pos]
+        self._bwd_on_track = False
+        return []
+
+    def _depths(self) -> dict[int, int]:
+        return {id(s): s.prefetch for s in self.states}
 
     # ---- backward boundaries ------------------------------------------------------------
 
@@ -84,7 +153,13 @@ class FSDPContext:
         if self.phase is Phase.BACKWARD:
             return
         self.phase = Phase.BACKWARD
-        self.log("context: enter BACKWARD")
+        self._bwd_seen = []
+        self._bwd_on_track = True
+        if self.check:
+            self.log("context: enter BACKWARD")
+        tracer = trace.active()
+        if tracer is not None:
+            tracer.begin("backward", "")
         for s in self.states:
             s.on_backward_start()
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
@@ -97,10 +172,20 @@ class FSDPContext:
     def _final_callback(self) -> None:
         """End of backward: every reduction done, every module sharded and IDLE."""
         self.finish_reduces()
+        if self.check:
+            from .check import check_backward_end
+
+            check_backward_end(self)
         for s in self.states:
             s.on_backward_end()
+        if self.bwd_order is None or not self.bwd_order.same(self._bwd_seen):
+            self.bwd_order = ExecutionOrder(self._bwd_seen, self._depths())
         self.phase = Phase.IDLE
-        self.log("context: leave BACKWARD")
+        if self.check:
+            self.log("context: leave BACKWARD")
+        tracer = trace.active()
+        if tracer is not None:
+            tracer.end("backward", "")
 
     def reshard_all(self) -> None:
         for s in self.states:

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
+from . import trace
 from .context import ALLOWED, FSDPContext, LifecycleError, Phase
 from .param_group import GroupState, ParamGroup
 from .precision import MixedPrecisionPolicy, cast_floats
@@ -41,8 +42,10 @@ class ModuleState:
         mp_policy: MixedPrecisionPolicy | None,
         prefetch: int,
         label: str,
+        check: bool = False,
     ) -> None:
         self.module = module
+        self.check = check
         self.mesh = mesh
         self.label = label
         self.reshard_after_forward = reshard_after_forward
@@ -93,41 +96,55 @@ class ModuleState:
             s.bwd_default = earlier[::-1][: s.prefetch]
         return ctx
 
-    def _forward_targets(self, ctx: FSDPContext) -> list[ModuleState]:
-        if self.fwd_targets is not None:
-            return self.fwd_targets
-        return self.fwd_default
-
-    def _backward_targets(self, ctx: FSDPContext) -> list[ModuleState]:
-        if self.bwd_targets is not None:
-            return self.bwd_targets
-        return self.bwd_default
-
     def _gather(self, prefetch: list[ModuleState]) -> None:
         """Issue our gather, then the prefetches, then wait for ours only."""
-        if self.group is None:
+        group = self.group
+        if group is None:
             return
-        self.group.unshard()
+        tracer = trace.active()
+        if tracer is not None and group.state is not GroupState.UNSHARDED:
+            tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
+        group.prefetched = False
+        group.unshard()
         for s in prefetch:
-            if s.group is not None and not s.backward_done:
-                s.group.unshard()
-        self.group.wait_unsharded()
+            g = s.group
+            if g is not None and not s.backward_done and g.state is GroupState.SHARDED:
+                g.unshard()
+                g.prefetched = True
+        group.wait_unsharded()
 
     # ---- hooks --------------------------------------------------------------------------
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.context or self._lazy_init()
+        tracer = trace.active()
         if ctx.phase is Phase.BACKWARD:
             # A recomputed forward (activation checkpointing) inside backward:
             # never prefetch in forward order -- that module's backward may be
             # over already, and nothing would reshard it again (the seed bug).
-            ctx.log(f"{self.label}: recompute forward")
+            if ctx.check:
+                ctx.log(f"{self.label}: recompute forward")
+            if tracer is not None:
+                tracer.begin("recompute", self.label)
+            targets = self.bwd_targets
+            if self.phase is Phase.IDLE:  # first need of this module in this backward
+                needs = ctx.backward_needs(self)
+                targets = targets if targets is not None else needs
             self._set_phase(Phase.BACKWARD)
-            self._gather(self._backward_targets(ctx))
+            self._gather(targets if targets is not None else self.bwd_default)
         else:
-            ctx.log(f"{self.label}: forward")
+            if self is ctx.root:
+                if ctx.check:
+                    from .check import check_forward_entry
+
+                    check_forward_entry(ctx)
+                ctx.begin_forward()
+            if ctx.check:
+                ctx.log(f"{self.label}: forward")
+            needs = ctx.forward_needs(self)
+            targets = self.fwd_targets if self.fwd_targets is not None else needs
             self._set_phase(Phase.FORWARD)
-            self._gather(self._forward_targets(ctx))
+            self._gather(targets if targets is not None else self.fwd_default)
         if self.group is not None and torch.is_grad_enabled():
             self.group.attach()
         policy = self.mp_policy
@@ -147,6 +164,9 @@ class ModuleState:
         if ctx.phase is Phase.BACKWARD:
             # Recomputed: keep the parameters for the backward that follows
             # (no second all-gather); post-backward reshards them.
+            tracer = trace.active()
+            if tracer is not None:
+                tracer.end("recompute", self.label)
             return output
         self._set_phase(Phase.IDLE)
         will_backward = bool(tensors) and torch.is_grad_enabled()
@@ -159,6 +179,7 @@ class ModuleState:
             else:
                 # No backward follows: nobody may stay gathered, root included.
                 ctx.reshard_all()
+            ctx.end_forward()
         elif self.reshard_after_forward and self.group is not None:
             self.group.reshard()
         return output
@@ -169,16 +190,20 @@ class ModuleState:
         ctx.enter_backward()
         if self.backward_done or self.phase is Phase.BACKWARD:
             return
-        ctx.log(f"{self.label}: pre-backward")
+        if ctx.check:
+            ctx.log(f"{self.label}: pre-backward")
+        needs = ctx.backward_needs(self)
+        targets = self.bwd_targets if self.bwd_targets is not None else needs
         self._set_phase(Phase.BACKWARD)
-        self._gather(self._backward_targets(ctx))
+        self._gather(targets if targets is not None else self.bwd_default)
 
     def post_backward(self, grads: list[torch.Tensor | None]) -> None:
         """Called by ``_Unsharded.backward`` once the group's gradients exist."""
         ctx = self.context
         assert ctx is not None and self.group is not None
         ctx.enter_backward()
-        ctx.log(f"{self.label}: post-backward")
+        if ctx.check:
+            ctx.log(f"{self.label}: post-backward")
         # One reduction in flight at a time bounds the gradient memory held.
         ctx.finish_reduces()
         job = self.group.reduce_grads(grads)

@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import collectives
+from . import collectives, trace
 from .precision import MixedPrecisionPolicy, resolve_dtypes
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ class ParamGroup:
         self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
         self.state = GroupState.SHARDED
         self.requires_gradient_sync = True
+        self.prefetched = False  # gathered by another module's prefetch, not yet used
+        self.last_used: list[bool] | None = None  # which trainables got gradients last time
         self._pending: collectives.Pending | None = None
         self._gather_out: torch.Tensor | None = None
         self._gather_in: torch.Tensor | None = None
@@ -298,7 +300,11 @@ class ParamGroup:
         if not self.aliased:
             self.unsharded_flat.untyped_storage().resize_(0)
         self._attached = None
+        self.prefetched = False
         self.state = GroupState.SHARDED
+        tracer = trace.active()
+        if tracer is not None:
+            tracer.instant("reshard", self.label)
 
     @property
     def unsharded_bytes(self) -> int:
@@ -328,6 +334,7 @@ class ParamGroup:
                      for a, g in zip(self._accum, grads)]
             self._accum = None
         used = [g is not None for g in grads]
+        self.last_used = used
         if not any(used):
             return None
         return ReduceJob(self, grads, used)
