@@ -24,15 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple,
-           backend: str) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, backend: str
+) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         if "nccl" in backend:
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
         out = fn(rank, world, *args)
@@ -54,7 +58,10 @@ def run_distributed(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, backend)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, q, args, backend))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -89,5 +96,7 @@ def run_distributed(
         raise AssertionError("distributed test failed\n" + "\n".join(errors))
     if len(results) < world:
         codes = [p.exitcode for p in procs]
-        raise AssertionError(f"distributed test timed out or crashed after {timeout}s (exit codes {codes})")
+        raise AssertionError(
+            f"distributed test timed out or crashed after {timeout}s (exit codes {codes})"
+        )
     return [results[r] for r in range(world)]

@@ -38,7 +38,9 @@ class Stage(nn.Module):
 class Net(nn.Module):
     """Tied embedding/head in the root, a [1, d] parameter, nested stages."""
 
-    def __init__(self, d: int = 8, n_stages: int = 2, ac: str = "none", unused: bool = False) -> None:
+    def __init__(
+        self, d: int = 8, n_stages: int = 2, ac: str = "none", unused: bool = False
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, d)
         self.pos = nn.Parameter(torch.randn(1, d) * 0.1)  # [1, d]: empty shard on rank 1+

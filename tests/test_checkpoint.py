@@ -12,6 +12,7 @@ their losses agree up to fp32 rounding.
 from __future__ import annotations
 
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_utils import run_distributed
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -30,9 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
+from dist_utils import run_distributed
 from shardwise import checkpoint
 
 D_IN, D, H = 5, 6, 10
@@ -100,11 +101,13 @@ def shard(model: nn.Module, mesh: Any = None, mp: bool = False, fsdp2: bool = Fa
     return model
 
 
-def build(name: str, world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(
+    name: str, world: int, seed: int, device: str = "cpu"
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     dropout, hsdp, mp = CONFIGS[name]
     torch.manual_seed(seed)
-    mesh = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
-    model = shard(Net(dropout), mesh=mesh, mp=mp)
+    mesh = init_device_mesh(device, (2, world // 2)) if hsdp else None
+    model = shard(Net(dropout).to(device), mesh=mesh, mp=mp)
     return model, torch.optim.AdamW(model.parameters(), lr=0.02)
 
 
@@ -119,9 +122,10 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
     """Global mean losses of ``steps``; the data depends on the step only."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = model.scale.device  # type: ignore[union-attr]
     losses = []
     for step in steps:
-        x, y = batch(step, rank, world)
+        x, y = (t.to(device) for t in batch(step, rank, world))
         loss = F.mse_loss(model(x).float(), y)
         loss.backward()
         opt.step()
@@ -135,14 +139,17 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[fl
 def weights(model: nn.Module) -> dict[str, np.ndarray]:
     out = {}
     for k, v in model.state_dict().items():
-        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy().copy()
+        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().numpy().copy()
     return out
 
 
 def opt_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, np.ndarray]:
     osd = get_optimizer_state_dict(model, opt)
-    return {f"{fqn}.{n}": (v.full_tensor() if isinstance(v, DTensor) else v).numpy().copy()
-            for fqn, entries in osd["state"].items() for n, v in entries.items()}
+    return {
+        f"{fqn}.{n}": (v.full_tensor() if isinstance(v, DTensor) else v).cpu().numpy().copy()
+        for fqn, entries in osd["state"].items()
+        for n, v in entries.items()
+    }
 
 
 def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -169,81 +176,167 @@ def extra_for(step: int) -> dict[str, Any]:
     return {"step": step, "data": {"epoch": 0, "sample": step * GLOBAL_BATCH}}
 
 
-# ---- exact resume and resharding ----------------------------------------------------------
+# ---- grouped runs: spawning ranks costs seconds, so each run does several checks ---------------
 
 
-def _train_save_continue(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
-    """K steps, save, K more: the uninterrupted run each resume is compared with."""
-    out = {}
-    for name in names:
-        model, opt = build(name, world, seed=0)
-        torch.manual_seed(100 + rank)  # per-rank dropout streams
-        first = train(model, opt, range(K))
-        checkpoint.save(f"{root}/{name}", model, opt, extra=extra_for(K))
-        out[name] = (first, train(model, opt, range(K, 2 * K)), weights(model))
-        if name == "hsdp":  # the export path on a 2-D mesh
-            fsd = checkpoint.full_state_dict(model, rank0_only=False)
-            assert same({k: v.numpy() for k, v in fsd.items()}, out[name][2])
+def _run_tasks(rank: int, world: int, tasks: list[tuple[str, Any, tuple]]) -> dict[str, Any]:
+    """Run ``fn(rank, world, *args)`` for each task; after a failure, skip the rest.
+
+    Returns ``{label: ("ok", value) | ("error", traceback) | ("skipped", why)}``.
+    A failure on one rank may leave the others in a collective; the run's
+    timeout then ends it, and every rank's traceback is reported.
+    """
+    out: dict[str, Any] = {}
+    failed = None
+    for label, fn, args in tasks:
+        if failed is not None:
+            out[label] = ("skipped", f"not run: {failed!r} failed first")
+            continue
+        try:
+            out[label] = ("ok", fn(rank, world, *args))
+        except BaseException:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+            out[label] = ("error", traceback.format_exc())
+            failed = label
     return out
 
 
-def _load_continue(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
+def result(run: list[dict[str, Any]], label: str) -> Any:
+    """Rank 0's value of one task; fails the test with each failing rank's traceback."""
+    problems = [f"rank {r}: {res[label][1]}" for r, res in enumerate(run) if res[label][0] != "ok"]
+    if problems:
+        pytest.fail(f"task {label!r} failed:\n" + "\n".join(problems), pytrace=False)
+    return run[0][label][1]
+
+
+def _train_save_continue(rank: int, world: int, name: str, path: str) -> Any:
+    """K steps, save, K more: the uninterrupted run a resume is compared with."""
+    model, opt = build(name, world, seed=0)
+    torch.manual_seed(100 + rank)  # per-rank dropout streams
+    first = train(model, opt, range(K))
+    checkpoint.save(path, model, opt, extra=extra_for(K))
+    at_save = weights(model)
+    after, final = train(model, opt, range(K, 2 * K)), weights(model)
+    if name == "hsdp":  # the export path on a 2-D mesh
+        fsd = checkpoint.full_state_dict(model, rank0_only=False)
+        assert same({k: v.numpy() for k, v in fsd.items()}, final)
+    return first, after, final, at_save
+
+
+def _load_continue(rank: int, world: int, name: str, path: str) -> Any:
     """Fresh processes, another init and RNG state: load, then the same K steps."""
-    out = {}
-    for name in names:
-        model, opt = build(name, world, seed=7)
-        torch.manual_seed(999)
-        extra = checkpoint.load(f"{root}/{name}", model, opt)
-        assert extra == extra_for(K), extra
-        out[name] = (train(model, opt, range(K, 2 * K)), weights(model))
-    return out
+    model, opt = build(name, world, seed=7)
+    torch.manual_seed(999)
+    extra = checkpoint.load(path, model, opt)
+    assert extra == extra_for(K), extra
+    return train(model, opt, range(K, 2 * K)), weights(model)
+
+
+def _load_weights(rank: int, world: int, name: str, path: str) -> dict[str, np.ndarray]:
+    model, opt = build(name, world, seed=7)
+    checkpoint.load(path, model, opt)
+    return weights(model)
 
 
 @pytest.fixture(scope="module")
-def saved2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
-    root = str(tmp_path_factory.mktemp("ckpt2"))
-    return root, run_distributed(_train_save_continue, 2, ["adamw", "mixed", "nodrop"], root)[0]
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
 
 
 @pytest.fixture(scope="module")
-def saved4(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
-    root = str(tmp_path_factory.mktemp("ckpt4"))
-    return root, run_distributed(_train_save_continue, 4, ["hsdp", "nodrop"], root)[0]
+def first2(root: Path) -> list[dict[str, Any]]:
+    tasks = [
+        (f"save {n}", _train_save_continue, (n, f"{root}/w2/{n}"))
+        for n in ("adamw", "mixed", "nodrop")
+    ]
+    tasks += [
+        (fn.__name__, fn, (str(root / fn.__name__),))
+        for fn in (_interop, _bad_input, _failed_save, _gathered_save)
+    ]
+    return run_distributed(_run_tasks, 2, tasks, timeout=240)
 
 
-def _assert_bitwise(before: dict[str, Any], after: dict[str, Any], names: list[str]) -> None:
-    for name in names:
-        losses, final = before[name][1], before[name][2]
-        assert after[name][0] == losses, name  # == on floats: bitwise
-        assert same(after[name][1], final), name
+@pytest.fixture(scope="module")
+def first4(root: Path) -> list[dict[str, Any]]:
+    tasks = [(f"save {n}", _train_save_continue, (n, f"{root}/w4/{n}")) for n in ("hsdp", "nodrop")]
+    return run_distributed(_run_tasks, 4, tasks, timeout=180)
 
 
-def test_exact_resume_adamw_and_mixed_precision(saved2: tuple[str, dict[str, Any]]) -> None:
-    root, before = saved2
-    after = run_distributed(_load_continue, 2, ["adamw", "mixed"], root)
-    _assert_bitwise(before, after[0], ["adamw", "mixed"])
-    _assert_bitwise(before, after[1], ["adamw", "mixed"])
-    assert before["adamw"][0] != before["adamw"][1]  # it did train
+@pytest.fixture(scope="module")
+def second2(root: Path, first2: Any, first4: Any) -> list[dict[str, Any]]:
+    tasks = [(f"load {n}", _load_continue, (n, f"{root}/w2/{n}")) for n in ("adamw", "mixed")]
+    tasks += [("load nodrop from 4", _load_continue, ("nodrop", f"{root}/w4/nodrop"))]
+    tasks += [("load hsdp into fsdp", _load_weights, ("adamw", f"{root}/w4/hsdp"))]
+    return run_distributed(_run_tasks, 2, tasks, timeout=180)
 
 
-def test_exact_resume_hsdp(saved4: tuple[str, dict[str, Any]]) -> None:
-    root, before = saved4
-    for result in run_distributed(_load_continue, 4, ["hsdp"], root):
-        _assert_bitwise(before, result, ["hsdp"])
+@pytest.fixture(scope="module")
+def second3(root: Path, first2: Any) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    ref_file = str(root / "plain.pt")
+    torch.save(Net().state_dict(), ref_file)  # a plain single-process checkpoint
+    tasks = [  # 3 ranks: some shards are empty
+        ("load nodrop from 2", _load_continue, ("nodrop", f"{root}/w2/nodrop")),
+        ("full state dict", _full_state_dict, (ref_file,)),
+    ]
+    return run_distributed(_run_tasks, 3, tasks, timeout=180)
 
 
-@pytest.mark.parametrize("saved_world,load_world", [(4, 2), (2, 3)])
-def test_reshard(saved_world: int, load_world: int, request: pytest.FixtureRequest) -> None:
-    root, before = request.getfixturevalue(f"saved{saved_world}")
-    losses, final = run_distributed(_load_continue, load_world, ["nodrop"], root)[0]["nodrop"]
-    np.testing.assert_allclose(losses, before["nodrop"][1], rtol=1e-5, atol=1e-6)
-    close(final, before["nodrop"][2])
+@pytest.fixture(scope="module")
+def second4(root: Path, first2: Any, first4: Any) -> list[dict[str, Any]]:
+    tasks = [
+        ("load hsdp", _load_continue, ("hsdp", f"{root}/w4/hsdp")),
+        ("load fsdp into hsdp", _load_weights, ("hsdp", f"{root}/w2/nodrop")),
+    ]
+    return run_distributed(_run_tasks, 4, tasks, timeout=180)
+
+
+def _assert_bitwise(before: Any, after: Any) -> None:
+    _, losses, final, _ = before
+    assert after[0] == losses  # == on floats: bitwise
+    assert same(after[1], final)
+
+
+def test_exact_resume_adamw_and_mixed_precision(first2: Any, second2: Any) -> None:
+    for name in ("adamw", "mixed"):
+        before = result(first2, f"save {name}")
+        assert before[0] != before[1]  # it did train
+        result(second2, f"load {name}")
+        for rank_results in second2:  # every rank continues identically
+            _assert_bitwise(before, rank_results[f"load {name}"][1])
+
+
+def test_exact_resume_hsdp(first4: Any, second4: Any) -> None:
+    before = result(first4, "save hsdp")
+    result(second4, "load hsdp")
+    for rank_results in second4:
+        _assert_bitwise(before, rank_results["load hsdp"][1])
+
+
+@pytest.mark.parametrize("saved,resumed", [("first4", "second2"), ("first2", "second3")])
+def test_reshard(saved: str, resumed: str, request: pytest.FixtureRequest) -> None:
+    """4 -> 2 and 2 -> 3 ranks: the same losses as the uninterrupted run, up to fp32 rounding."""
+    _, expected_losses, expected, _ = result(request.getfixturevalue(saved), "save nodrop")
+    world = saved[-1]
+    losses, final = result(request.getfixturevalue(resumed), f"load nodrop from {world}")
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-6)
+    close(final, expected)
+
+
+def test_checkpoints_move_between_hsdp_fsdp_and_plain_models(
+    root: Path, first2: Any, first4: Any, second2: Any, second4: Any
+) -> None:
+    assert same(result(second4, "load fsdp into hsdp"), result(first2, "save nodrop")[3])
+    at_save = result(first4, "save hsdp")[3]
+    assert same(result(second2, "load hsdp into fsdp"), at_save)
+    plain = Net(0.1)  # one process, no torch.distributed
+    assert checkpoint.load(root / "w4" / "hsdp", plain, restore_rng=False) == extra_for(K)
+    assert same({k: v.numpy() for k, v in plain.state_dict().items()}, at_save)
 
 
 # ---- full state dicts -----------------------------------------------------------------------
 
 
-def _full_state_dict_worker(rank: int, world: int, ref_file: str) -> None:
+def _full_state_dict(rank: int, world: int, ref_file: str) -> None:
     ref = torch.load(ref_file)
     torch.manual_seed(0)  # the same init as the reference
     model = shard(Net())
@@ -291,17 +384,14 @@ def _full_state_dict_worker(rank: int, world: int, ref_file: str) -> None:
     torch.testing.assert_close(meta(x), reference(x))
 
 
-def test_full_state_dict_round_trip(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    ref_file = str(tmp_path / "plain.pt")
-    torch.save(Net().state_dict(), ref_file)
-    run_distributed(_full_state_dict_worker, 3, ref_file)  # 3 ranks: head.weight has empty shards
+def test_full_state_dict_round_trip(second3: Any) -> None:
+    result(second3, "full state dict")
 
 
 # ---- torch FSDP2 interoperability -------------------------------------------------------------
 
 
-def _interop_worker(rank: int, world: int, root: str) -> None:
+def _interop(rank: int, world: int, root: str) -> None:
     # The state dict contract: original names, DTensor parameters, plain buffers.
     torch.manual_seed(0)
     ours = shard(Net())
@@ -328,8 +418,10 @@ def _interop_worker(rank: int, world: int, root: str) -> None:
     theirs = shard(Net(), fsdp2=True)
     topt = torch.optim.AdamW(theirs.parameters(), lr=0.02)
     train(theirs, topt, range(2))
-    dcp.save({"model": get_model_state_dict(theirs), "optim": get_optimizer_state_dict(theirs, topt)},
-             checkpoint_id=f"{root}/fsdp2")
+    dcp.save(
+        {"model": get_model_state_dict(theirs), "optim": get_optimizer_state_dict(theirs, topt)},
+        checkpoint_id=f"{root}/fsdp2",
+    )
     dcp.save(theirs.state_dict(), checkpoint_id=f"{root}/fsdp2_flat")
     at_step2 = weights(theirs)
     torch.manual_seed(5)
@@ -338,8 +430,9 @@ def _interop_worker(rank: int, world: int, root: str) -> None:
     assert checkpoint.load(f"{root}/fsdp2", ours, opt) is None  # no extra in a plain DCP folder
     assert same(weights(ours), weights(theirs))
     assert same(opt_state(ours, opt), opt_state(theirs, topt))
-    np.testing.assert_allclose(train(ours, opt, range(2, 4)), train(theirs, topt, range(2, 4)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        train(ours, opt, range(2, 4)), train(theirs, topt, range(2, 4)), rtol=1e-6
+    )
     torch.manual_seed(6)
     flat = shard(Net())
     checkpoint.load(f"{root}/fsdp2_flat", flat)
@@ -356,21 +449,28 @@ def _interop_worker(rank: int, world: int, root: str) -> None:
     set_optimizer_state_dict(back, bopt, state["optim"])
     assert same(weights(back), weights(ours))
     assert same(opt_state(back, bopt), opt_state(ours, opt))
-    np.testing.assert_allclose(train(back, bopt, range(4, 6)), train(ours, opt, range(4, 6)),
-                               rtol=1e-6)
+    torch.manual_seed(8)  # and our helper on an FSDP2 model
+    helper = shard(Net(), fsdp2=True)
+    hopt = torch.optim.AdamW(helper.parameters(), lr=0.02)
+    assert checkpoint.load(f"{root}/ours", helper, hopt) == {"step": 4}
+    assert same(weights(helper), weights(ours))
+    assert same(opt_state(helper, hopt), opt_state(ours, opt))
+    np.testing.assert_allclose(
+        train(back, bopt, range(4, 6)), train(ours, opt, range(4, 6)), rtol=1e-6
+    )
 
 
-def test_fsdp2_interop(tmp_path: Path) -> None:
-    run_distributed(_interop_worker, 2, str(tmp_path), timeout=180)
+def test_state_dict_contract_and_fsdp2_interop(first2: Any) -> None:
+    result(first2, "_interop")
 
 
 # ---- interrupted saves ------------------------------------------------------------------------
 
 
-def _gathered_save_worker(rank: int, world: int, root: str) -> None:
-    """A module left gathered (no reshard after backward) still saves its shards."""
+def _gathered_save(rank: int, world: int, root: str) -> None:
+    """A module left gathered (no reshard after backward) still saves its fp32 shards."""
     torch.manual_seed(0)
-    model = shard(Net())
+    model = shard(Net(), mp=True)
     model.set_reshard_after_backward(False)  # type: ignore[operator]
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     train(model, opt, range(2))
@@ -382,7 +482,7 @@ def _gathered_save_worker(rank: int, world: int, root: str) -> None:
     assert same(weights(fresh), expected)
 
 
-def _failing_save_worker(rank: int, world: int, root: str) -> None:
+def _failed_save(rank: int, world: int, root: str) -> None:
     path = Path(root) / "ck"
     model, opt = build("nodrop", world, seed=0)
     train(model, opt, range(1))
@@ -394,10 +494,10 @@ def _failing_save_worker(rank: int, world: int, root: str) -> None:
     original = dcp.FileSystemWriter.write_data
 
     def broken(self: Any, plan: Any, planner: Any) -> Any:
-        result = original(self, plan, planner)
+        written = original(self, plan, planner)
         if rank == 1:
             raise OSError("disk full (simulated)")
-        return result
+        return written
 
     dcp.FileSystemWriter.write_data = broken  # type: ignore[method-assign]
     try:
@@ -431,7 +531,7 @@ def _failing_save_worker(rank: int, world: int, root: str) -> None:
     assert same(weights(fresh), weights(model))
 
 
-def _killed_save_worker(rank: int, world: int, root: str) -> None:
+def _killed_save(rank: int, world: int, root: str) -> None:
     model, opt = build("nodrop", world, seed=0)
     checkpoint.save(f"{root}/ck", model, opt, extra=extra_for(1))
     original = dcp.FileSystemWriter.write_data
@@ -444,14 +544,17 @@ def _killed_save_worker(rank: int, world: int, root: str) -> None:
     checkpoint.save(f"{root}/ck", model, opt, extra=extra_for(2))
 
 
-def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
-    run_distributed(_failing_save_worker, 2, str(tmp_path))
-    run_distributed(_gathered_save_worker, 2, str(tmp_path))
+def test_failed_save_keeps_previous_checkpoint(first2: Any) -> None:
+    result(first2, "_failed_save")
+
+
+def test_save_of_a_gathered_module(first2: Any) -> None:
+    result(first2, "_gathered_save")
 
 
 def test_killed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="crashed"):
-        run_distributed(_killed_save_worker, 1, str(tmp_path), timeout=60)
+        run_distributed(_killed_save, 1, str(tmp_path), timeout=60)
     path = tmp_path / "ck"
     assert (path / ".metadata").is_file() and (tmp_path / "ck.partial").is_dir()
     # Read back without torch.distributed: a plain model loads a sharded checkpoint.
@@ -471,8 +574,9 @@ def test_crash_between_renames_falls_back_and_recovers(tmp_path: Path) -> None:
     other = Net()
     with pytest.warns(UserWarning, match="interrupted"):
         assert checkpoint.load(path, other) == 1
-    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(),
-                                                 model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values())
+    )
     checkpoint.save(path, model, extra=2)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     assert checkpoint.load(path, other) == 2
@@ -484,21 +588,33 @@ def test_crash_between_renames_falls_back_and_recovers(tmp_path: Path) -> None:
     assert (tmp_path / "notes" / "todo.txt").read_text() == "not a checkpoint"
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own imports
+def test_compiled_model_uses_plain_names(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    compiled = torch.compile(Net())  # wrapped only: nothing is compiled or run
+    checkpoint.save(tmp_path / "ck", compiled, extra=1)
+    plain = Net()
+    assert checkpoint.load(tmp_path / "ck", plain, restore_rng=False) == 1
+    exported = checkpoint.full_state_dict(compiled)
+    assert list(exported) == list(plain.state_dict())  # no "_orig_mod." prefix
+    assert all(torch.equal(v, exported[k]) for k, v in plain.state_dict().items())
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 
-def _bad_input_worker(rank: int, world: int, root: str) -> None:
+def _bad_input(rank: int, world: int, root: str) -> None:
     model, opt = build("nodrop", world, seed=0)
     train(model, opt, range(1))
     checkpoint.save(f"{root}/ck", model, opt, extra=extra_for(1))
     checkpoint.save(f"{root}/model_only", model)
     good = checkpoint.full_state_dict(model, rank0_only=False)
 
-    def victim(net: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    def victim(net: nn.Module, steps: int = 1) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
         torch.manual_seed(3)
         m = shard(net)
         o = torch.optim.AdamW(m.parameters(), lr=0.02)
-        train(m, o, range(1))  # optimizer state exists: it must survive a failed load too
+        train(m, o, range(steps))  # optimizer state exists: it must survive a failed load too
         return m, o, (weights(m), opt_state(m, o))
 
     def unchanged(m: nn.Module, o: torch.optim.Optimizer, snap: Any) -> None:
@@ -506,17 +622,21 @@ def _bad_input_worker(rank: int, world: int, root: str) -> None:
 
     ck = f"{root}/ck"
     m, o, snap = victim(Net(hidden=12))
-    expect_error(lambda: checkpoint.load(ck, m, o),
-                 "'blocks.0.fc1.weight' has shape [10, 6] in the checkpoint but [12, 6]")
+    expect_error(
+        lambda: checkpoint.load(ck, m, o),
+        "'blocks.0.fc1.weight' has shape [10, 6] in the checkpoint but [12, 6]",
+    )
     unchanged(m, o, snap)
     m, o, snap = victim(NetPlus())
     expect_error(lambda: checkpoint.load(ck, m, o), "'extra.weight' is missing", "[3, 2]")
     unchanged(m, o, snap)
     m, o, snap = victim(Net(blocks=1))
-    expect_error(lambda: checkpoint.load(ck, m, o),
-                 "'blocks.1.fc1.weight' (checkpoint shape [10, 6]) is not in the model")
+    expect_error(
+        lambda: checkpoint.load(ck, m, o),
+        "'blocks.1.fc1.weight' (checkpoint shape [10, 6]) is not in the model",
+    )
     unchanged(m, o, snap)
-    m, o, snap = victim(Net().double())
+    m, o, snap = victim(Net().double(), steps=0)
     expect_error(lambda: checkpoint.load(ck, m, o), "'inp.weight' has dtype torch.float32")
     unchanged(m, o, snap)
 
@@ -529,18 +649,52 @@ def _bad_input_worker(rank: int, world: int, root: str) -> None:
 
     # Full state dicts: from rank 0 only (every rank must raise), then from every rank.
     wide = Net(hidden=12).state_dict()
-    expect_error(lambda: checkpoint.load_full_state_dict(m, wide if rank == 0 else None),
-                 "'blocks.0.fc1.weight' has shape [12, 6] in the state dict but [10, 6]")
+    expect_error(
+        lambda: checkpoint.load_full_state_dict(m, wide if rank == 0 else None),
+        "'blocks.0.fc1.weight' has shape [12, 6] in the state dict but [10, 6]",
+    )
     unchanged(m, o, snap)
     partial = {k: v for k, v in good.items() if k != "head.bias"}
     partial["head.extra"] = torch.zeros(2)
-    expect_error(lambda: checkpoint.load_full_state_dict(m, partial),
-                 "'head.bias' is missing from the state dict (model shape [1])",
-                 "'head.extra' (state dict shape [2]) is not in the model")
+    expect_error(
+        lambda: checkpoint.load_full_state_dict(m, partial),
+        "'head.bias' is missing from the state dict (model shape [1])",
+        "'head.extra' (state dict shape [2]) is not in the model",
+    )
     unchanged(m, o, snap)
     expect_error(lambda: checkpoint.load_full_state_dict(m, None), "rank 0 passed no state dict")
     unchanged(m, o, snap)
 
 
-def test_bad_input_raises_clear_error_and_changes_nothing(tmp_path: Path) -> None:
-    run_distributed(_bad_input_worker, 2, str(tmp_path))
+def test_bad_input_raises_clear_error_and_changes_nothing(first2: Any) -> None:
+    result(first2, "_bad_input")
+
+
+# ---- CUDA (NCCL, one rank per GPU; skipped without a GPU) ----------------------------------------
+
+
+def _cuda(rank: int, world: int, root: str) -> None:
+    """Resume, RNG (CUDA dropout) and export/import with NCCL and tensors on the GPU."""
+    torch.cuda.manual_seed(100 + rank)
+    model, opt = build("mixed", world, seed=0, device="cuda")
+    train(model, opt, range(K))
+    checkpoint.save(f"{root}/ck", model, opt, extra=extra_for(K))
+    at_save = weights(model)
+    after = train(model, opt, range(K, 2 * K))
+    fresh, fopt = build("mixed", world, seed=7, device="cuda")
+    torch.cuda.manual_seed(999)
+    assert checkpoint.load(f"{root}/ck", fresh, fopt) == extra_for(K)
+    assert same(weights(fresh), at_save)
+    np.testing.assert_allclose(train(fresh, fopt, range(K, 2 * K)), after, rtol=1e-6)
+    fsd = checkpoint.full_state_dict(fresh)
+    assert all(v.device.type == "cpu" for v in fsd.values())
+    other, _ = build("mixed", world, seed=9, device="cuda")
+    checkpoint.load_full_state_dict(other, fsd if rank == 0 else None)
+    assert same(weights(other), weights(fresh))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_resume_and_export(tmp_path: Path) -> None:
+    world = min(torch.cuda.device_count(), 2)
+    run_distributed(_cuda, world, str(tmp_path), backend="cpu:gloo,cuda:nccl", timeout=180)

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from dist_utils import run_distributed
-from models import Net, batches, loss_fn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 import shardwise
+from dist_utils import run_distributed
+from models import Net, batches, loss_fn
 from shardwise import FSDPModule, Phase, collectives, fully_shard
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,7 +36,9 @@ def assert_between_steps(model: nn.Module) -> None:
     for m in sharded_modules(model):
         assert m.phase is Phase.IDLE, (m, m.phase)
         group = m._shardwise_state.group
-        assert group is None or group.unsharded_bytes == 0, f"{m._shardwise_state.label} still holds storage"
+        assert group is None or group.unsharded_bytes == 0, (
+            f"{m._shardwise_state.label} still holds storage"
+        )
     ctx = model.fsdp_context  # type: ignore[attr-defined]
     assert ctx is not None and ctx.phase is Phase.IDLE
 
@@ -96,13 +98,19 @@ def parity_worker(rank: int, world: int, cfg: dict) -> None:
 PARITY = {
     "plain-adamw-w2": (2, {"opt": "adamw", "shard_stage": True}),
     "reentrant-sgd-w3": (3, {"opt": "sgd", "ac": "reentrant"}),
-    "nonreentrant-frozen-zero-w4": (4, {"opt": "adamw", "ac": "non-reentrant", "frozen": True,
-                                        "set_to_none": False}),
-    "parent-reentrant-keep-w2": (2, {"opt": "adamw", "ac": "parent-reentrant", "raf": False,
-                                     "shard_stage": True}),
+    "nonreentrant-frozen-zero-w4": (
+        4,
+        {"opt": "adamw", "ac": "non-reentrant", "frozen": True, "set_to_none": False},
+    ),
+    "parent-reentrant-keep-w2": (
+        2,
+        {"opt": "adamw", "ac": "parent-reentrant", "raf": False, "shard_stage": True},
+    ),
     "parent-unused-w3": (3, {"opt": "sgd", "ac": "parent", "unused": True}),
-    "selective-unused-frozen-w4": (4, {"opt": "sgd", "ac": "selective", "unused": True,
-                                       "frozen": True}),
+    "selective-unused-frozen-w4": (
+        4,
+        {"opt": "sgd", "ac": "selective", "unused": True, "frozen": True},
+    ),
     "keep-after-forward-w2": (2, {"opt": "sgd", "raf": False, "set_to_none": False}),
 }
 
@@ -181,6 +189,7 @@ def phase_worker(rank: int, world: int) -> None:
     def record(name: str):
         def hook(*_):
             ctx_phases.append((name, root.fsdp_context.phase))
+
         return hook
 
     idx = batches(1)[0].chunk(world)[rank]
@@ -188,7 +197,9 @@ def phase_worker(rank: int, world: int) -> None:
     model.zero_grad()
     model.extra.register_forward_pre_hook(record("forward"))
     out = model(idx[:, :-1])
-    out.register_hook(lambda g: ctx_phases.append(("after-root-pre-backward", root.fsdp_context.phase)))
+    out.register_hook(
+        lambda g: ctx_phases.append(("after-root-pre-backward", root.fsdp_context.phase))
+    )
     assert model.phase is Phase.IDLE and model.fsdp_context.phase is Phase.IDLE
     out.float().pow(2).mean().backward()
     assert ctx_phases == [("forward", Phase.IDLE), ("after-root-pre-backward", Phase.BACKWARD)]
@@ -240,7 +251,9 @@ def layout_worker(rank: int, world: int) -> None:
     remove = collectives.add_observer(lambda rec, _: seen.update([rec.kind]))
     model.extra.unshard()
     assert seen["all_gather"] == 1
-    assert isinstance(model.extra.fc1.weight, torch.Tensor) and not isinstance(model.extra.fc1.weight, DTensor)
+    assert isinstance(model.extra.fc1.weight, torch.Tensor) and not isinstance(
+        model.extra.fc1.weight, DTensor
+    )
     torch.testing.assert_close(model.extra.fc1.weight, full["extra.fc1.weight"])
     model.extra.reshard()
     assert isinstance(model.extra.fc1.weight, DTensor)
@@ -287,7 +300,9 @@ def bad_input_worker(rank: int, world: int) -> dict[str, str]:
     expect("device", ValueError, lambda: check_device("w", torch.device("cuda", 0), "cpu"))
 
     ints = nn.Linear(2, 2)
-    ints.register_parameter("count", nn.Parameter(torch.ones(3, dtype=torch.long), requires_grad=False))
+    ints.register_parameter(
+        "count", nn.Parameter(torch.ones(3, dtype=torch.long), requires_grad=False)
+    )
     expect("int", ValueError, lambda: fully_shard(ints))
     assert not isinstance(ints, FSDPModule) and not isinstance(ints.weight, DTensor)
 

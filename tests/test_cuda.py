@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dist_utils import run_distributed
 from test_core import PARITY, parity_worker, seed_regression_worker
 
@@ -39,9 +40,8 @@ def bf16_cuda_worker(rank: int, world: int) -> None:
     import copy
 
     from models import Net, batches, loss_fn
-    from test_core import assert_between_steps
-
     from shardwise import MixedPrecisionPolicy, fully_shard
+    from test_core import assert_between_steps
 
     torch.manual_seed(0)
     ref = Net(d=32, ac="none").cuda()

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import run_distributed
-from test_core import TwoLinears, assert_between_steps
 
 import shardwise
+from dist_utils import run_distributed
 from shardwise import LifecycleError, Phase, fully_shard
+from test_core import TwoLinears, assert_between_steps
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -84,8 +84,11 @@ def trace_worker(rank: int, world: int, out: str) -> dict:
         t.save_chrome_trace(str(Path(out) / "timeline.json"))
         t.plot(str(Path(out) / "timeline.png"))
     per: Counter[tuple[str, str]] = Counter((ev.name, ev.module) for ev in t.local_events)
-    return {"per": dict((f"{k[0]}|{k[1]}", v) for k, v in per.items()), "summary": t.summary(),
-            "ranks": sorted({ev.rank for ev in t.events})}
+    return {
+        "per": dict((f"{k[0]}|{k[1]}", v) for k, v in per.items()),
+        "summary": t.summary(),
+        "ranks": sorted({ev.rank for ev in t.events}),
+    }
 
 
 def test_trace_of_one_step_holds_the_expected_events(tmp_path: Path) -> None:
@@ -155,5 +158,7 @@ def test_recorded_order_prefetch_hits_everything_with_no_extra_gathers() -> None
     for step in (1, 2):
         assert with_prefetch[step]["prefetch_hit_rate"] == 1.0, with_prefetch[step]
         assert with_prefetch[step]["prefetch_misses"] == 0
-        assert (with_prefetch[step]["collectives"]["all_gather"]
-                == without[step]["collectives"]["all_gather"]), (with_prefetch, without)
+        assert (
+            with_prefetch[step]["collectives"]["all_gather"]
+            == without[step]["collectives"]["all_gather"]
+        ), (with_prefetch, without)

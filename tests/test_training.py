@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from dist_utils import run_distributed
-from models import Net, batches, loss_fn
-from test_core import assert_between_steps, shard_net
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardwise
+from dist_utils import run_distributed
+from models import Net, batches, loss_fn
 from shardwise import MixedPrecisionPolicy, collectives, fully_shard
+from test_core import assert_between_steps, shard_net
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,7 +42,8 @@ def bf16_worker(rank: int, world: int) -> None:
     gathers: list[collectives.CollectiveRecord] = []
     reduces: list[collectives.CollectiveRecord] = []
     remove = collectives.add_observer(
-        lambda rec, _: (gathers if rec.kind == "all_gather" else reduces).append(rec))
+        lambda rec, _: (gathers if rec.kind == "all_gather" else reduces).append(rec)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for idx in batches(5):
@@ -187,8 +188,9 @@ def clip_worker(rank: int, world: int, hsdp: bool) -> None:
         torch.testing.assert_close(p.full_tensor(), rp.detach(), atol=1e-5, rtol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize(("world", "hsdp"), [(2, False), (4, False), (4, True)],
-                         ids=["w2", "w4", "hsdp-2x2"])
+@pytest.mark.parametrize(
+    ("world", "hsdp"), [(2, False), (4, False), (4, True)], ids=["w2", "w4", "hsdp-2x2"]
+)
 def test_clip_grad_norm_parity(world: int, hsdp: bool) -> None:
     run_distributed(clip_worker, world, hsdp)
 

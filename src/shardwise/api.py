@@ -32,6 +32,8 @@ _taken: dict[int, weakref.ref[nn.Parameter]] = {}
 def _is_taken(p: nn.Parameter) -> bool:
     ref = _taken.get(id(p))
     return ref is not None and ref() is p
+
+
 _subclass_cache: dict[type, type] = {}
 _default_meshes: dict[tuple[str, int], DeviceMesh] = {}
 
@@ -105,6 +107,9 @@ def fully_shard(
     module._shardwise_state = state  # type: ignore[assignment]
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward)
+    # State dicts always see the sharded DTensors, also while a module is kept
+    # gathered (reshard_after_forward/backward=False): reshard first.
+    module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: state.reshard_now())
     module._register_load_state_dict_pre_hook(_refuse_assign, with_module=True)
     cls = type(module)
     if cls not in _subclass_cache:
@@ -188,12 +193,15 @@ def check_device(fqn: str, device: torch.device, mesh_device: str) -> None:
     )
 
 
-def _refuse_assign(module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict,
-                   *args: Any) -> None:
+def _refuse_assign(
+    module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict, *args: Any
+) -> None:
     if local_metadata.get("assign_to_params_buffers", False):
         from .module import _ASSIGN_MSG
 
         raise ValueError(_ASSIGN_MSG)
+    state: ModuleState = module._shardwise_state  # type: ignore[assignment]
+    state.reshard_now()  # load into the shards, not into gathered copies
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,12 @@ def _build(job: Job) -> tuple[torch.nn.Module, Any]:
         model = GPT(cfg)
     set_activation_checkpointing(model, job.ac)
     bf16 = job.mp == "bf16"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # Explicit: on a GPU machine a CPU benchmark must not land on the default CUDA mesh.
+    mesh = init_device_mesh(job.device, (job.nproc,))
     if job.config == "fsdp2":
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {"mesh": mesh}
         if bf16:
             kw["mp_policy"] = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
@@ -76,8 +80,8 @@ def _build(job: Job) -> tuple[torch.nn.Module, Any]:
     elif job.config == "shardwise":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block, mp_policy=policy if bf16 else None)
-        fully_shard(model, mp_policy=policy if bf16 else None)
+            fully_shard(block, mesh=mesh, mp_policy=policy if bf16 else None)
+        fully_shard(model, mesh=mesh, mp_policy=policy if bf16 else None)
     # The fused AdamW on CUDA for every configuration: the fastest each can use.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     return model, opt
@@ -93,13 +97,15 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
             torch.cuda.set_device(rank)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.nproc))
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=job.nproc)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job.nproc
+        )
         model, opt = _build(job)
         g = torch.Generator().manual_seed(1 + rank)
         vocab = 256
-        autocast = torch.autocast(job.device, dtype=torch.bfloat16,
-                                  enabled=job.config == "bare" and job.mp == "bf16")
+        autocast = torch.autocast(
+            job.device, dtype=torch.bfloat16, enabled=job.config == "bare" and job.mp == "bf16"
+        )
         times = []
         for step in range(job.warmup + job.steps):
             idx = torch.randint(0, vocab, (job.batch_size, job.seq_len + 1), generator=g)
@@ -124,17 +130,27 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
                 torch.cuda.synchronize()
             if step >= job.warmup:
                 times.append(time.perf_counter() - t0)
-        peak = (torch.cuda.max_memory_allocated() if cuda
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        peak = (
+            torch.cuda.max_memory_allocated()
+            if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        )
         stats = torch.tensor([statistics.median(times), float(peak)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(job.nproc)]
         dist.all_gather(gathered, stats)  # gloo on CPU tensors: fine for both backends
         n_params = sum(p.numel() for p in model.parameters())
         if rank == 0:
-            q.put(("ok", {"fused_adamw": bool(opt.defaults.get("fused")),
-                          "step_s": max(float(t[0]) for t in gathered),
-                          "peak_bytes": max(float(t[1]) for t in gathered),
-                          "params": n_params}))
+            q.put(
+                (
+                    "ok",
+                    {
+                        "fused_adamw": bool(opt.defaults.get("fused")),
+                        "step_s": max(float(t[0]) for t in gathered),
+                        "peak_bytes": max(float(t[1]) for t in gathered),
+                        "params": n_params,
+                    },
+                )
+            )
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - the parent prints it
         import traceback
@@ -172,16 +188,22 @@ def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -
 
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,))
         models = {}
-        for name, shard in (("bare", None), ("fsdp2", torch_fully_shard), ("shardwise", fully_shard)):
+        for name, shard in (
+            ("bare", None),
+            ("fsdp2", torch_fully_shard),
+            ("shardwise", fully_shard),
+        ):
             torch.manual_seed(0)
             m = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(n_modules)))
             if shard is not None:
                 for layer in m:
-                    shard(layer)
-                shard(m)
+                    shard(layer, mesh=mesh)
+                shard(m, mesh=mesh)
             models[name] = m
         x = torch.randn(2, 4, requires_grad=True)
         times: dict[str, list[float]] = {k: [] for k in models}
@@ -223,11 +245,15 @@ def model_flops_per_token(n_params: int, job: Job) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="shardwise bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="shardwise bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="tiny")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks (default: 1 on a GPU, else 2 CPU processes)")
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks (default: 1 on a GPU, else 2 CPU processes)"
+    )
     p.add_argument("--ac", default="none", help="comma list of activation checkpointing modes")
     p.add_argument("--mp", default="none", help="comma list: none, bf16")
     p.add_argument("--batch-size", type=int, default=None, help="per rank")
@@ -236,19 +262,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="A B C rounds, alternated")
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="default: cuda when available")
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available"
+    )
     p.add_argument("--json", default="bench.json", help="where to write the results")
     p.add_argument("--plot", default=None, help="also draw a bar chart PNG here")
-    p.add_argument("--overhead", action="store_true",
-                   help="also measure hook CPU overhead per module (1 CPU rank, tiny layers)")
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="also measure hook CPU overhead per module (1 CPU rank, tiny layers)",
+    )
     args = p.parse_args(argv)
 
     from .models.gpt import CHECKPOINTING, SIZES
 
     if args.model not in SIZES:
-        print(f"shardwise bench: unknown --model {args.model!r}; choose from {sorted(SIZES)}",
-              file=sys.stderr)
+        print(
+            f"shardwise bench: unknown --model {args.model!r}; choose from {sorted(SIZES)}",
+            file=sys.stderr,
+        )
         return 2
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
     nproc = args.nproc or (1 if cuda else 2)
@@ -268,17 +300,27 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
             for _ in range(args.rounds):
                 for c in configs:
-                    job = Job(c, args.model, nproc, ac, mp, batch, seq, args.steps, args.warmup,
-                              device)
+                    job = Job(
+                        c, args.model, nproc, ac, mp, batch, seq, args.steps, args.warmup, device
+                    )
                     results[c].append(run_job(job))
             for c in configs:
                 step = statistics.median(r["step_s"] for r in results[c])
                 peak = max(r["peak_bytes"] for r in results[c])
                 tokens = batch * seq * nproc / step
-                row = {"config": c, "model": args.model, "nproc": nproc, "ac": ac, "mp": mp,
-                       "step_ms": step * 1e3, "tokens_per_s": tokens, "peak_gib": peak / 2**30,
-                       "params": results[c][0]["params"], "device": device,
-                       "fused_adamw": results[c][0]["fused_adamw"]}
+                row = {
+                    "config": c,
+                    "model": args.model,
+                    "nproc": nproc,
+                    "ac": ac,
+                    "mp": mp,
+                    "step_ms": step * 1e3,
+                    "tokens_per_s": tokens,
+                    "peak_gib": peak / 2**30,
+                    "params": results[c][0]["params"],
+                    "device": device,
+                    "fused_adamw": results[c][0]["fused_adamw"],
+                }
                 if cuda:
                     flops = model_flops_per_token(row["params"], job) * tokens / nproc
                     row["mfu"] = flops / H200_BF16_PEAK
@@ -286,16 +328,26 @@ def main(argv: list[str] | None = None) -> int:
             _add_ratios(rows, ac, mp)
     _print_table(rows)
     overhead = None
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "batch_size_per_rank": batch,
+        "seq_len": seq,
+        "steps": args.steps,
+        "rounds": args.rounds,
+    }
+    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     if args.overhead:
         overhead = hook_overhead_us()
-        print("hook overhead per module per forward+backward (us, over bare): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()))
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv,
-            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
-            "batch_size_per_rank": batch, "seq_len": seq, "steps": args.steps,
-            "rounds": args.rounds}
-    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "hook_overhead_us": overhead}, indent=2))
+        print(
+            "hook overhead per module per forward+backward (us, over bare): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items())
+        )
+        Path(args.json).write_text(
+            json.dumps({"meta": meta, "rows": rows, "hook_overhead_us": overhead}, indent=2)
+        )
     if args.plot:
         _plot(rows, args.plot)
     return 0
@@ -313,8 +365,19 @@ def _add_ratios(rows: list[dict[str, Any]], ac: str, mp: str) -> None:
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
-    head = ["config", "ac", "mp", "nproc", "step_ms", "tokens_per_s", "peak_gib", "mfu",
-            "step_vs_fsdp2", "step_vs_bare", "mem_vs_fsdp2"]
+    head = [
+        "config",
+        "ac",
+        "mp",
+        "nproc",
+        "step_ms",
+        "tokens_per_s",
+        "peak_gib",
+        "mfu",
+        "step_vs_fsdp2",
+        "step_vs_bare",
+        "mem_vs_fsdp2",
+    ]
     print(" | ".join(f"{h:>13}" for h in head))
     for r in rows:
         cells = []

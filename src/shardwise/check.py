@@ -52,13 +52,20 @@ def check_backward_end(ctx: FSDPContext) -> None:
         if g is None:
             continue
         if s.backward_done and s.reshard_after_backward and g.state is not GroupState.SHARDED:
-            raise _fail(ctx, s, "was gathered again after its post-backward (nothing would "
-                                "reshard it: the seed's failure)")
+            raise _fail(
+                ctx,
+                s,
+                "was gathered again after its post-backward (nothing would "
+                "reshard it: the seed's failure)",
+            )
         if g.prefetched:
             raise _fail(ctx, s, "was prefetched in backward but its gather was never used")
         used = g.last_used
         if used is not None:
             states = {sp.sharded.grad is None for sp, u in zip(g.trainable, used) if u}
             if len(states) > 1:
-                raise _fail(ctx, s, "has a mix of set and missing gradients among its used "
-                                    "trainable parameters")
+                raise _fail(
+                    ctx,
+                    s,
+                    "has a mix of set and missing gradients among its used trainable parameters",
+                )

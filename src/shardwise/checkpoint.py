@@ -30,11 +30,12 @@ Checkpoints are trusted input: DCP metadata and ``extra`` are pickles, like any
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,15 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if _distributed() else 1
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every call without a process group; here that mode is intended."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable")
+        yield
 
 
 def _on_rank0(what: str, fn: Callable[[], None]) -> None:
@@ -253,9 +263,14 @@ def save(
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     _on_rank0("preparing the checkpoint folder", lambda: _prepare(path))
-    dcp.save(state, checkpoint_id=_partial(path), no_dist=not _distributed())
-    payload = {"format": _FORMAT, "world_size": _world(), "extra": extra,
-               "rng": _gather_rng_states()}
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=_partial(path), no_dist=not _distributed())
+    payload = {
+        "format": _FORMAT,
+        "world_size": _world(),
+        "extra": extra,
+        "rng": _gather_rng_states(),
+    }
     _on_rank0("committing the checkpoint", lambda: _commit(path, payload))
 
 
@@ -292,7 +307,8 @@ def load(
             )
         state["optim"] = get_optimizer_state_dict(model, optimizer)
         _check_optimizer(path, metadata, state["optim"])
-    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
     set_model_state_dict(model, state["model"] if prefix else state)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -319,8 +335,9 @@ def _shape(size: Any) -> list[int]:
     return list(size)
 
 
-def _check_model(path: Path, metadata: Mapping[str, Any], model_sd: Mapping[str, Any],
-                 prefix: str) -> None:
+def _check_model(
+    path: Path, metadata: Mapping[str, Any], model_sd: Mapping[str, Any], prefix: str
+) -> None:
     """Raise one ValueError listing every key that does not match; change nothing."""
     problems = []
     for key, value in model_sd.items():
@@ -328,28 +345,35 @@ def _check_model(path: Path, metadata: Mapping[str, Any], model_sd: Mapping[str,
         if not isinstance(value, torch.Tensor):
             continue  # extra state objects: DCP checks those itself
         if meta is None:
-            problems.append(f"{key!r} is missing from the checkpoint (model shape "
-                            f"{_shape(value.shape)})")
+            problems.append(
+                f"{key!r} is missing from the checkpoint (model shape {_shape(value.shape)})"
+            )
         elif not isinstance(meta, TensorStorageMetadata):
             problems.append(f"{key!r} is not a tensor in the checkpoint")
         elif _shape(meta.size) != _shape(value.shape):
-            problems.append(f"{key!r} has shape {_shape(meta.size)} in the checkpoint but "
-                            f"{_shape(value.shape)} in the model")
+            problems.append(
+                f"{key!r} has shape {_shape(meta.size)} in the checkpoint but "
+                f"{_shape(value.shape)} in the model"
+            )
         elif meta.properties.dtype != value.dtype:
-            problems.append(f"{key!r} has dtype {meta.properties.dtype} in the checkpoint but "
-                            f"{value.dtype} in the model")
+            problems.append(
+                f"{key!r} has dtype {meta.properties.dtype} in the checkpoint but "
+                f"{value.dtype} in the model"
+            )
     # Keys of the model's non-tensor extra state may be flattened by DCP ("x._extra_state.a").
-    objects = tuple(prefix + k + "." for k, v in model_sd.items() if not isinstance(v, torch.Tensor))
+    objects = tuple(
+        prefix + k + "." for k, v in model_sd.items() if not isinstance(v, torch.Tensor)
+    )
     # A flat checkpoint may hold other state too (optimizer, data loader): only
     # keys under one of the model's top-level names are the model's.
     roots = {k.split(".")[0] for k in model_sd}
     for skey, meta in metadata.items():
         if not skey.startswith(prefix) or (not prefix and skey.split(".")[0] not in roots):
             continue
-        if skey[len(prefix):] in model_sd or (objects and skey.startswith(objects)):
+        if skey[len(prefix) :] in model_sd or (objects and skey.startswith(objects)):
             continue
         shape = _shape(meta.size) if isinstance(meta, TensorStorageMetadata) else "object"
-        problems.append(f"{skey[len(prefix):]!r} (checkpoint shape {shape}) is not in the model")
+        problems.append(f"{skey[len(prefix) :]!r} (checkpoint shape {shape}) is not in the model")
     if problems:
         raise ValueError(_mismatch(f"checkpoint {path}", problems))
 
@@ -363,11 +387,15 @@ def _check_optimizer(path: Path, metadata: Mapping[str, Any], osd: Mapping[str, 
             if not isinstance(value, torch.Tensor):
                 continue
             if not isinstance(meta, TensorStorageMetadata):
-                problems.append(f"optimizer state {key[6:]!r} is missing from the checkpoint "
-                                "(saved with another optimizer?)")
+                problems.append(
+                    f"optimizer state {key[6:]!r} is missing from the checkpoint "
+                    "(saved with another optimizer?)"
+                )
             elif _shape(meta.size) != _shape(value.shape):
-                problems.append(f"optimizer state {key[6:]!r} has shape {_shape(meta.size)} in "
-                                f"the checkpoint but {_shape(value.shape)} here")
+                problems.append(
+                    f"optimizer state {key[6:]!r} has shape {_shape(meta.size)} in "
+                    f"the checkpoint but {_shape(value.shape)} here"
+                )
     groups = len(osd.get("param_groups", []))
     saved = sum(k.startswith("optim.param_groups.") and k.endswith(".params") for k in metadata)
     if saved != groups:
@@ -378,8 +406,10 @@ def _check_optimizer(path: Path, metadata: Mapping[str, Any], osd: Mapping[str, 
 
 def _mismatch(what: str, problems: list[str]) -> str:
     shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-    return (f"{what} does not match the model (another architecture?); nothing was loaded:\n  "
-            + "\n  ".join(shown))
+    return (
+        f"{what} does not match the model (another architecture?); nothing was loaded:\n  "
+        + "\n  ".join(shown)
+    )
 
 
 # ---- full (plain) state dicts -----------------------------------------------------------
@@ -419,16 +449,13 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     first; a mismatch raises ``ValueError`` on every rank and changes nothing.
     """
     targets = _model_state(model)
-    has = bool(state_dict)
-    everyone = has
-    spec: dict[str, tuple[list[int], torch.dtype]] | None = None
-    if has and state_dict is not None:
-        spec = {k: (_shape(v.shape), v.dtype) for k, v in state_dict.items()}
+    spec = {k: (_shape(v.shape), v.dtype) for k, v in state_dict.items()} if state_dict else None
+    everyone = spec is not None
     if _world() > 1:
         flags: list[Any] = [None] * _world()
-        dist.all_gather_object(flags, has)
+        dist.all_gather_object(flags, everyone)
         everyone = all(flags)
-        if not everyone:
+        if not everyone:  # rank 0 says what it will send
             box = [spec]
             dist.broadcast_object_list(box, src=0)
             spec = box[0]
@@ -449,30 +476,46 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         if not everyone:
             dist.broadcast(full, src=0)  # one tensor at a time bounds the memory
         if isinstance(target, DTensor):
-            sharded[key] = distribute_tensor(full, target.device_mesh, target.placements,
-                                             src_data_rank=None)
+            mesh, placements = target.device_mesh, target.placements
+            # Cut our rows locally, and copy them: the cut is a view that would
+            # keep the whole tensor alive until the end.
+            rows = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+            sharded[key] = DTensor.from_local(
+                rows.clone(),
+                mesh,
+                placements,
+                run_check=False,
+                shape=target.shape,
+                stride=target.stride(),
+            )
         else:
             sharded[key] = full
     set_model_state_dict(model, sharded)
 
 
-def _check_full(spec: Mapping[str, tuple[list[int], torch.dtype]],
-                targets: Mapping[str, Any]) -> None:
+def _check_full(
+    spec: Mapping[str, tuple[list[int], torch.dtype]], targets: Mapping[str, Any]
+) -> None:
     problems = []
     for key, target in targets.items():
         if not isinstance(target, torch.Tensor):
             continue
         if key not in spec:
-            problems.append(f"{key!r} is missing from the state dict (model shape "
-                            f"{_shape(target.shape)})")
+            problems.append(
+                f"{key!r} is missing from the state dict (model shape {_shape(target.shape)})"
+            )
             continue
         shape, dtype = spec[key]
         if shape != _shape(target.shape):
-            problems.append(f"{key!r} has shape {shape} in the state dict but "
-                            f"{_shape(target.shape)} in the model")
+            problems.append(
+                f"{key!r} has shape {shape} in the state dict but "
+                f"{_shape(target.shape)} in the model"
+            )
         elif dtype != target.dtype:
-            problems.append(f"{key!r} has dtype {dtype} in the state dict but {target.dtype} in "
-                            "the model (cast the state dict first)")
+            problems.append(
+                f"{key!r} has dtype {dtype} in the state dict but {target.dtype} in "
+                "the model (cast the state dict first)"
+            )
     for key, (shape, _) in spec.items():
         if key not in targets:
             problems.append(f"{key!r} (state dict shape {shape}) is not in the model")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import trace
+from .trace import active as active_trace
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -56,7 +56,9 @@ class Pending:
 
     __slots__ = ("_work", "_then", "label", "done", "issued_at", "done_at", "on_done")
 
-    def __init__(self, work: Any, then: Callable[[], None] | None = None, label: str = "") -> None:
+    def __init__(
+        self, work: Any, then: Callable[[], object] | None = None, label: str = ""
+    ) -> None:
         self._work = work
         self._then = then
         self.label = label
@@ -68,7 +70,7 @@ class Pending:
     def wait(self) -> None:
         if self.done:
             return
-        tracer = trace.active()
+        tracer = active_trace()
         start = tracer.now() if tracer is not None else None
         if self._work is not None:
             self._work.wait()
@@ -85,7 +87,9 @@ class Pending:
 
 def _notify(kind: str, t: torch.Tensor, group_size: int, label: str, p: Pending) -> None:
     if _observers:
-        rec = CollectiveRecord(kind, t.dtype, t.numel(), t.numel() * t.element_size(), group_size, label)
+        rec = CollectiveRecord(
+            kind, t.dtype, t.numel(), t.numel() * t.element_size(), group_size, label
+        )
         for fn in list(_observers):
             fn(rec, p)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import trace
+from .trace import active as active_trace
 
 if TYPE_CHECKING:
     from .module import ModuleState
@@ -108,7 +108,7 @@ class FSDPContext:
     def begin_forward(self) -> None:
         self._fwd_seen = []
         self._fwd_on_track = True
-        tracer = trace.active()
+        tracer = active_trace()
         if tracer is not None:
             tracer.begin("forward", "")
 
@@ -128,7 +128,7 @@ class FSDPContext:
     def end_forward(self) -> None:
         if self.fwd_order is None or not self.fwd_order.same(self._fwd_seen):
             self.fwd_order = ExecutionOrder(self._fwd_seen, self._depths())
-        tracer = trace.active()
+        tracer = active_trace()
         if tracer is not None:
             tracer.end("forward", "")
 
@@ -157,7 +157,7 @@ class FSDPContext:
         self._bwd_on_track = True
         if self.check:
             self.log("context: enter BACKWARD")
-        tracer = trace.active()
+        tracer = active_trace()
         if tracer is not None:
             tracer.begin("backward", "")
         for s in self.states:
@@ -183,7 +183,7 @@ class FSDPContext:
         self.phase = Phase.IDLE
         if self.check:
             self.log("context: leave BACKWARD")
-        tracer = trace.active()
+        tracer = active_trace()
         if tracer is not None:
             tracer.end("backward", "")
 

@@ -116,17 +116,14 @@ def load_corpus(
     chunks, total = [], 0
     for f in files:
         try:
-            b = f.read_bytes()
+            chunks.append(f.read_bytes())
         except OSError as e:
             raise DataError(f"--data {f}: cannot read it ({e.strerror})") from None
-        if cap is not None and total + len(b) > cap:
-            b = b[: cap - total]
-        chunks.append(b)
-        total += len(b)
+        total += len(chunks[-1]) + 2
         if cap is not None and total >= cap:
             break
     # A blank line between files, so one file's end does not run into the next's start.
-    raw = b"\n\n".join(chunks)
+    raw = b"\n\n".join(chunks)[:cap]
     n_val = max(min_split_bytes, int(len(raw) * VAL_FRACTION))
     if len(raw) - n_val < min_split_bytes:
         raise DataError(

@@ -13,6 +13,7 @@ one submodule's full parameters; the whole model is never unsharded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -51,17 +52,22 @@ def materialize(
     if device is not None:
         model.to_empty(device=device)
     for sub in _apply_order(model):
-        sharded = [(n, p) for n, p in sub._parameters.items() if isinstance(p, DTensor)]
-        fulls = {n: nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad) for n, p in sharded}
+        sharded: list[tuple[str, Any]] = [
+            (n, p) for n, p in sub._parameters.items() if isinstance(p, DTensor)
+        ]
+        fulls = {
+            n: nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad) for n, p in sharded
+        }
         for n, full in fulls.items():
             sub._parameters[n] = full
         try:
-            if hasattr(sub, "reset_parameters"):
-                sub.reset_parameters()
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
             if init_fn is not None:
                 init_fn(sub)
         finally:
             for n, p in sharded:
                 local_of(p).copy_(_rows_of(fulls[n].detach(), p))
-                sub._parameters[n] = p
+                sub._parameters[n] = p  # type: ignore[assignment]
     return model

@@ -25,10 +25,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from . import trace
 from .context import ALLOWED, FSDPContext, LifecycleError, Phase
 from .param_group import GroupState, ParamGroup
 from .precision import MixedPrecisionPolicy, cast_floats
+from .trace import active as active_trace
 
 
 class ModuleState:
@@ -101,11 +101,15 @@ class ModuleState:
         group = self.group
         if group is None:
             return
-        tracer = trace.active()
+        tracer = active_trace()
         if tracer is not None and group.state is not GroupState.UNSHARDED:
             tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
         group.prefetched = False
         group.unshard()
+        if not group.communicates:
+            # Nothing to hide: a one-rank "gather" is a cast on the compute
+            # stream, and gathering ahead would only hold memory sooner.
+            prefetch = []
         for s in prefetch:
             g = s.group
             if g is not None and not s.backward_done and g.state is GroupState.SHARDED:
@@ -117,7 +121,7 @@ class ModuleState:
 
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.context or self._lazy_init()
-        tracer = trace.active()
+        tracer = active_trace()
         if ctx.phase is Phase.BACKWARD:
             # A recomputed forward (activation checkpointing) inside backward:
             # never prefetch in forward order -- that module's backward may be
@@ -157,14 +161,15 @@ class ModuleState:
         assert ctx is not None
         if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.mp_policy.output_dtype)
-        tensors = [t for t in tree_flatten(output)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         for t in tensors:
             t.register_hook(self._pre_backward)
         if ctx.phase is Phase.BACKWARD:
             # Recomputed: keep the parameters for the backward that follows
             # (no second all-gather); post-backward reshards them.
-            tracer = trace.active()
+            tracer = active_trace()
             if tracer is not None:
                 tracer.end("recompute", self.label)
             return output
@@ -285,16 +290,22 @@ class FSDPModule:
             return [self._shardwise_state]
         return [m._shardwise_state for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
         for s in self._sharded_states(recurse):
             s.reshard_after_forward = reshard_after_forward
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """Keep parameters gathered after backward (e.g. between accumulation microbatches)."""
         for s in self._sharded_states(recurse):
             s.reshard_after_backward = reshard_after_backward
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """While False, backward sums gradients locally with no communication."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(

@@ -38,8 +38,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import collectives, trace
+from . import collectives
 from .precision import MixedPrecisionPolicy, resolve_dtypes
+from .trace import active as active_trace
 
 if TYPE_CHECKING:
     from .module import ModuleState
@@ -124,6 +125,7 @@ class ParamGroup:
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        self.communicates = self.world > 1  # gathers go over the wire (else: alias or cast)
         self.orig_dtype = named[0][1].dtype
         self.mp_policy = mp_policy
         self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
@@ -143,8 +145,16 @@ class ParamGroup:
             rows = p.shape[0]
             chunk = math.ceil(rows / self.world)
             local_rows = max(0, min(chunk, rows - self.rank * chunk))
-            sp = ShardedParam(fqn, locs, p.shape, p.requires_grad, chunk,
-                              math.prod(p.shape[1:]), offset, local_rows)
+            sp = ShardedParam(
+                fqn,
+                locs,
+                p.shape,
+                p.requires_grad,
+                chunk,
+                math.prod(p.shape[1:]),
+                offset,
+                local_rows,
+            )
             self.params.append(sp)
             offset += sp.slot
         self.shard_numel = offset
@@ -174,8 +184,14 @@ class ParamGroup:
             if device.type != "meta" and sp.local_rows:
                 start = self.rank * sp.chunk_rows
                 view.copy_(p.detach()[start : start + sp.local_rows])
-            dt = DTensor.from_local(view, self.mesh, self.placements, run_check=False,
-                                    shape=sp.shape, stride=_contiguous_stride(sp.shape))
+            dt = DTensor.from_local(
+                view,
+                self.mesh,
+                self.placements,
+                run_check=False,
+                shape=sp.shape,
+                stride=_contiguous_stride(sp.shape),
+            )
             sp.sharded = nn.Parameter(dt, requires_grad=sp.requires_grad)
             self._locals.append(local_of(sp.sharded))
             sp.install(sp.sharded)
@@ -197,11 +213,14 @@ class ParamGroup:
         for sp in self.params:
             start = sp.offset * self.world
             sp.unsharded = torch.empty(0, dtype=self.compute_dtype, device=device).set_(
-                storage, start, sp.shape, _contiguous_stride(sp.shape))
+                storage, start, sp.shape, _contiguous_stride(sp.shape)
+            )
         # Rank-major gather output -> param-major parameters, one kernel.
         self._copy_out = [
             self.unsharded_flat[sp.offset * self.world : (sp.offset + sp.slot) * self.world].view(
-                self.world, sp.slot) for sp in self.params
+                self.world, sp.slot
+            )
+            for sp in self.params
         ]
         if not self.aliased and device.type != "meta":
             self.unsharded_flat.untyped_storage().resize_(0)  # views first: they check bounds
@@ -237,16 +256,24 @@ class ParamGroup:
             self._install_plain()
             return
         self.unsharded_flat.untyped_storage().resize_(
-            self.unsharded_flat.numel() * self.unsharded_flat.element_size())
+            self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        )
         if self.world == 1:
             self.unsharded_flat.copy_(self.flat)  # one casting copy is the whole "gather"
             self.state = GroupState.UNSHARDED
             self._install_plain()
             return
-        src = self.flat if self.compute_dtype == self.orig_dtype else self.flat.to(self.compute_dtype)
+        src = (
+            self.flat if self.compute_dtype == self.orig_dtype else self.flat.to(self.compute_dtype)
+        )
         direct = len(self.params) == 1  # rank-major == param-major
-        out = self.unsharded_flat if direct else torch.empty(
-            self.world * self.shard_numel, dtype=self.compute_dtype, device=self.flat.device)
+        out = (
+            self.unsharded_flat
+            if direct
+            else torch.empty(
+                self.world * self.shard_numel, dtype=self.compute_dtype, device=self.flat.device
+            )
+        )
         self._gather_in, self._gather_out = src, out
         self._pending = collectives.all_gather(out, src, self.shard_group, self.label)
         self.state = GroupState.GATHERING
@@ -261,7 +288,10 @@ class ParamGroup:
         if self._gather_out is not self.unsharded_flat:
             torch.split_with_sizes_copy(
                 self._gather_out.view(self.world, self.shard_numel),
-                [sp.slot for sp in self.params], dim=1, out=self._copy_out)
+                [sp.slot for sp in self.params],
+                dim=1,
+                out=self._copy_out,
+            )
         self._pending = self._gather_in = self._gather_out = None
         self.state = GroupState.UNSHARDED
         self._install_plain()
@@ -302,7 +332,7 @@ class ParamGroup:
         self._attached = None
         self.prefetched = False
         self.state = GroupState.SHARDED
-        tracer = trace.active()
+        tracer = active_trace()
         if tracer is not None:
             tracer.instant("reshard", self.label)
 
@@ -326,12 +356,16 @@ class ParamGroup:
             if self._accum is None:
                 self._accum = grads
             else:
-                self._accum = [a if g is None else (g if a is None else a.add_(g))
-                               for a, g in zip(self._accum, grads)]
+                self._accum = [
+                    a if g is None else (g if a is None else a.add_(g))
+                    for a, g in zip(self._accum, grads)
+                ]
             return None
         if self._accum is not None:
-            grads = [a if g is None else (g if a is None else a.add_(g))
-                     for a, g in zip(self._accum, grads)]
+            grads = [
+                a if g is None else (g if a is None else a.add_(g))
+                for a, g in zip(self._accum, grads)
+            ]
             self._accum = None
         used = [g is not None for g in grads]
         self.last_used = used
@@ -339,7 +373,7 @@ class ParamGroup:
             return None
         return ReduceJob(self, grads, used)
 
-    def assign_grads(self, shards: list[torch.Tensor], used: list[bool]) -> None:
+    def assign_grads(self, shards: list[Any], used: list[bool]) -> None:
         for sp, g, u in zip(self.trainable, shards, used):
             if not u:
                 continue
@@ -364,16 +398,18 @@ class ReduceJob:
         self._pending: collectives.Pending | None = None
         if g.world == 1 and g.replicate_group is None:
             # Nothing to average: the gradients are the shards.
-            self.shards = [t.contiguous() if t is not None else t for t in grads]  # type: ignore[misc]
+            self.shards: list[Any] = [t.contiguous() if t is not None else t for t in grads]
             return
         device = g.flat.device
-        filled = [t if t is not None else torch.zeros(sp.shape, dtype=g.reduce_dtype, device=device)
-                  for t, sp in zip(grads, g.trainable)]
-        if len(g.trainable) != len(g.params):
-            # Frozen parameters own slots in the flat layout but get no gradient.
-            by_id = {id(sp): t for sp, t in zip(g.trainable, filled)}
-            filled = [by_id.get(id(sp)) if id(sp) in by_id else
-                      torch.zeros(sp.shape, dtype=g.reduce_dtype, device=device) for sp in g.params]
+        # Every parameter owns a slot in the flat layout; frozen and unused ones
+        # contribute zeros.
+        by_param = {id(sp): t for sp, t in zip(g.trainable, grads)}
+        filled: list[torch.Tensor] = []
+        for sp in g.params:
+            t = by_param.get(id(sp))
+            filled.append(
+                t if t is not None else torch.zeros(sp.shape, dtype=g.reduce_dtype, device=device)
+            )
         self.out = torch.empty(g.shard_numel, dtype=g.reduce_dtype, device=device)
         if g.world == 1:
             torch._chunk_cat(filled, dim=0, num_chunks=1, out=self.out.view(1, -1))
@@ -382,7 +418,8 @@ class ReduceJob:
             self._rs_in = torch.empty(g.world, g.shard_numel, dtype=g.reduce_dtype, device=device)
             torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
             self._pending = collectives.reduce_scatter_mean(
-                self.out, self._rs_in.view(-1), g.shard_group, g.label)
+                self.out, self._rs_in.view(-1), g.shard_group, g.label
+            )
         self.shards = []
 
     def finish(self) -> None:
@@ -394,8 +431,10 @@ class ReduceJob:
         if not self.shards:
             if g.replicate_group is not None:
                 collectives.all_reduce_mean(self.out, g.replicate_group, g.label).wait()
-            self.shards = [self.out[sp.offset : sp.offset + sp.local_numel].view(sp.local_shape)
-                           for sp in g.trainable]
+            self.shards = [
+                self.out[sp.offset : sp.offset + sp.local_numel].view(sp.local_shape)
+                for sp in g.trainable
+            ]
         g.assign_grads(self.shards, self.used)
 
 

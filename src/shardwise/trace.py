@@ -88,8 +88,16 @@ class Tracer:
     def now(self) -> Any:
         return self._clock.now()
 
-    def span(self, name: str, module: str, start: Any, end: Any, track: str = "compute",
-             nbytes: int = 0, **args: Any) -> None:
+    def span(
+        self,
+        name: str,
+        module: str,
+        start: Any,
+        end: Any,
+        track: str = "compute",
+        nbytes: int = 0,
+        **args: Any,
+    ) -> None:
         self._raw.append((name, module, start, end, track, nbytes, args))
 
     def instant(self, name: str, module: str, **args: Any) -> None:
@@ -127,8 +135,10 @@ class Tracer:
         for name, module in list(self._open):
             self.end(name, module)
         self.local_events = sorted(
-            (Event(n, m, self._clock.resolve(s), self._clock.resolve(e), tr, b, self.rank, a)
-             for n, m, s, e, tr, b, a in self._raw),
+            (
+                Event(n, m, self._clock.resolve(s), self._clock.resolve(e), tr, b, self.rank, a)
+                for n, m, s, e, tr, b, a in self._raw
+            ),
             key=lambda ev: ev.start,
         )
         self.events = list(self.local_events)
@@ -165,15 +175,34 @@ class Tracer:
         tids = {"phase": 0, "compute": 1, "comm": 2}
         out: list[dict[str, Any]] = []
         for rank in sorted({ev.rank for ev in self.events}):
-            out.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                        "args": {"name": f"rank {rank}"}})
+            out.append(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": rank,
+                    "tid": 0,
+                    "args": {"name": f"rank {rank}"},
+                }
+            )
             for track, tid in tids.items():
-                out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                            "args": {"name": track}})
+                out.append(
+                    {
+                        "name": "thread_name",
+                        "ph": "M",
+                        "pid": rank,
+                        "tid": tid,
+                        "args": {"name": track},
+                    }
+                )
         for ev in self.events:
-            base = {"name": f"{ev.name} {ev.module}".strip(), "cat": ev.name, "pid": ev.rank,
-                    "tid": tids[ev.track], "ts": ev.start * 1e6,
-                    "args": {"module": ev.module, "bytes": ev.nbytes, **ev.args}}
+            base = {
+                "name": f"{ev.name} {ev.module}".strip(),
+                "cat": ev.name,
+                "pid": ev.rank,
+                "tid": tids[ev.track],
+                "ts": ev.start * 1e6,
+                "args": {"module": ev.module, "bytes": ev.nbytes, **ev.args},
+            }
             if ev.end > ev.start:
                 out.append({**base, "ph": "X", "dur": (ev.end - ev.start) * 1e6})
             else:
@@ -189,19 +218,31 @@ class Tracer:
         import matplotlib.pyplot as plt
 
         ranks = sorted({ev.rank for ev in self.events}) or [self.rank]
-        fig, axes = plt.subplots(len(ranks), 1, figsize=(12, 1.8 + 1.6 * len(ranks)),
-                                 squeeze=False, sharex=True)
+        fig, axes = plt.subplots(
+            len(ranks), 1, figsize=(12, 1.8 + 1.6 * len(ranks)), squeeze=False, sharex=True
+        )
         shade = {"forward": "#cfe8ff", "backward": "#ffe0c2", "recompute": "#e6d3ff"}
         rows = {"all_gather": 2.0, "reduce_scatter": 1.0, "all_reduce": 1.0, "wait": 0.0}
-        colors = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange",
-                  "all_reduce": "tab:green", "wait": "tab:red"}
+        colors = {
+            "all_gather": "tab:blue",
+            "reduce_scatter": "tab:orange",
+            "all_reduce": "tab:green",
+            "wait": "tab:red",
+        }
         for ax, rank in zip(axes[:, 0], ranks):
             for ev in (e for e in self.events if e.rank == rank):
                 if ev.name in shade:
                     ax.axvspan(ev.start * 1e3, ev.end * 1e3, color=shade[ev.name], zorder=0)
                 elif ev.name in rows and ev.end > ev.start:
-                    ax.barh(rows[ev.name], (ev.end - ev.start) * 1e3, left=ev.start * 1e3,
-                            height=0.6, color=colors[ev.name], edgecolor="black", linewidth=0.3)
+                    ax.barh(
+                        rows[ev.name],
+                        (ev.end - ev.start) * 1e3,
+                        left=ev.start * 1e3,
+                        height=0.6,
+                        color=colors[ev.name],
+                        edgecolor="black",
+                        linewidth=0.3,
+                    )
             ax.set_yticks([0, 1, 2], ["exposed wait", "reduce", "gather"])
             ax.set_title(f"rank {rank}", fontsize=9, loc="left")
         axes[-1, 0].set_xlabel("ms (shaded: forward blue, backward orange, recompute purple)")
@@ -227,8 +268,16 @@ def trace() -> Iterator[Tracer]:
         start = tracer.now()
 
         def done(_: collectives.Pending) -> None:
-            tracer.span(rec.kind, rec.label, start, tracer.now(), track="comm", nbytes=rec.nbytes,
-                        dtype=str(rec.dtype).replace("torch.", ""), group_size=rec.group_size)
+            tracer.span(
+                rec.kind,
+                rec.label,
+                start,
+                tracer.now(),
+                track="comm",
+                nbytes=rec.nbytes,
+                dtype=str(rec.dtype).replace("torch.", ""),
+                group_size=rec.group_size,
+            )
 
         pending.on_done.append(done)
 

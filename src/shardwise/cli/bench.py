@@ -1,12 +1,13 @@
-"""``shardwise bench``: throughput and memory of the GPT sizes (not implemented yet)."""
+"""``shardwise bench``: the bare model, torch's FSDP2 and shardwise side by side.
+
+The benchmark itself lives in ``shardwise.benchmark`` (also runnable as
+``python -m shardwise.benchmark``); see docs/benchmarks.md for results.
+"""
 
 from __future__ import annotations
 
-import sys
-
-EXIT_NOT_IMPLEMENTED = 2
-
 
 def main(argv: list[str]) -> int:
-    print("shardwise bench: the benchmark is not implemented yet", file=sys.stderr)
-    return EXIT_NOT_IMPLEMENTED
+    from ..benchmark import main as bench_main
+
+    return bench_main(argv)

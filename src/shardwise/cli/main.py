@@ -134,13 +134,12 @@ class Launch:
         return self.nproc * self.nnodes
 
 
-def add_launch_arguments(p: Any) -> None:
+def add_launch_arguments(
+    p: Any, nproc_default: str = "the number of GPUs, else 2 CPU processes"
+) -> None:
     g = p.add_argument_group("launching (ignored when started by torchrun)")
     g.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="processes on this node (default: the number of GPUs, else 2 CPU processes)",
+        "--nproc", type=int, default=None, help=f"processes on this node (default: {nproc_default})"
     )
     g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
     g.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
@@ -159,9 +158,13 @@ def launch_from_args(args: Any) -> Launch:
 
 
 def launch(
-    command: str, worker_argv: list[str], where: Launch, on_signal: Callable[[str, int], int]
+    command: str, worker_args: dict[str, Any], where: Launch, on_signal: Callable[[str, int], int]
 ) -> int:
-    """Run ``shardwise COMMAND WORKER_ARGV`` on every rank through ``torch.distributed.run``.
+    """Run ``shardwise COMMAND --flag=value ...`` on every rank through ``torch.distributed.run``.
+
+    The worker flags are passed as ``--flag=value``: the launcher's own parser
+    scans them too, and would take a bare ``--nproc`` or ``--st`` for an
+    abbreviation of one of its options.
 
     On Ctrl-C or SIGTERM the launcher passes the signal on to every worker and
     waits for them; ``on_signal(launch_id, signum)`` then decides the exit code from
@@ -179,7 +182,9 @@ def launch(
     # A worker stopping on a signal saves a checkpoint first: give it time.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     # The agent narrates every start and signal; our workers say what matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.ERROR)
     flags = [
         "--nproc-per-node",
         str(where.nproc),
@@ -198,6 +203,7 @@ def launch(
             str(where.rdzv_endpoint),
         ]
     try:
+        worker_argv = [f"--{k.replace('_', '-')}={v}" for k, v in worker_args.items()]
         torchrun.run(torchrun.parse_args([*flags, "--module", "shardwise", command, *worker_argv]))
     except SignalException as e:
         return on_signal(launch_id, int(e.sigval))

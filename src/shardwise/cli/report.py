@@ -33,10 +33,11 @@ class Reporter:
 
         self.cfg, self.out = cfg, Path(cfg["out"])
         self.rows = read_jsonl(self.out / "metrics.jsonl")
-        self.metrics = open(self.out / "metrics.jsonl", "a")  # noqa: SIM115 - open for the run
+        self.metrics = open(self.out / "metrics.jsonl", "a")  # kept open: one row per step
         self.recent: deque[float] = deque(maxlen=10)
         self.t0 = time.perf_counter()
         self.start_step = start_step
+        self.traced: dict[str, Any] | None = None
         self.console = Console()
         self.live = self.console.is_terminal
         self.every = max(1, cfg["steps"] // 20)
@@ -81,6 +82,12 @@ class Reporter:
         elif step % self.every == 0 or val or step == self.cfg["steps"]:
             print(f"step {step:>5}/{self.cfg['steps']}  {info}{val}", flush=True)
 
+    def timeline(self, tracer: Any, step: int) -> None:
+        """Save one traced step: a Chrome/Perfetto trace and a Gantt chart per rank."""
+        tracer.save_chrome_trace(str(self.out / "timeline.json"))
+        tracer.plot(str(self.out / "timeline.png"))
+        self.traced = {"step": step, **tracer.summary()}
+
     def finish(self, step: int, stopped: bool, signum: int | None, ckpt: Path) -> None:
         if self.live:
             self.progress.stop()
@@ -106,6 +113,7 @@ class Reporter:
             "peak_mem_bytes": max((r["peak_mem_bytes"] for r in new), default=None),
             "wall_s": time.perf_counter() - self.t0,
             "checkpoint": str(ckpt),
+            "timeline": self.traced,  # rank 0's collectives and waits in the traced step
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         how = (

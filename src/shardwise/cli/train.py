@@ -12,6 +12,7 @@ Every run folder holds ``config.json``, ``metrics.jsonl`` (one row per step),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,7 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "steps": 200,
     "batch_size": 16,  # sequences per optimizer step, over all ranks and microbatches
     "seq_len": None,  # the model size's own
-    "lr": 3e-3,
+    "lr": None,  # the model size's, from PEAK_LR
     "warmup": None,  # steps // 10, at most 100
     "grad_clip": 1.0,
     "grad_accum": 1,
@@ -59,6 +60,8 @@ DEFAULTS: dict[str, Any] = {
     "eval_batches": 4,
     "save_every": 0,
 }
+# Smaller models take larger steps; 2e-3 makes the 1B model spike early on.
+PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "medium": 3e-4}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences per optimizer step, over all processes (default: 16)",
     )
     t.add_argument("--seq-len", type=int, help="tokens (bytes) per sequence (default: the model's)")
-    t.add_argument("--lr", type=float, help="peak learning rate, AdamW (default: 3e-3)")
+    t.add_argument(
+        "--lr",
+        type=float,
+        help="peak learning rate of AdamW (default: tiny 2e-3, small 1e-3, medium 3e-4)",
+    )
     t.add_argument(
         "--warmup", type=int, help="linear warmup steps (default: steps/10, at most 100)"
     )
@@ -104,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("data and output")
     d.add_argument(
         "--data",
+        metavar="PATH",
         help="a text file or a folder of text files "
         "(default: the Python standard library's sources)",
     )
@@ -116,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--out",
+        metavar="DIR",
         help="run folder (default: runs/<timestamp>; with --resume, the resumed run's folder)",
     )
     d.add_argument(
@@ -140,7 +149,8 @@ def main(argv: list[str]) -> int:
         summary = read_json(out / "summary.json")
         return 0 if summary.get("launch_id") == launch_id else 128 + signum
 
-    return launch("train", [*argv, "--out", str(out)], where, on_signal=stopped_cleanly)
+    # Workers read everything else from the config.json written above.
+    return launch("train", {"out": out}, where, on_signal=stopped_cleanly)
 
 
 # ---- the run's config: flags, resumed run, checks -------------------------------------------
@@ -165,8 +175,8 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
             if k in given and given[k] != resumed.get(k):
                 raise UsageError(
                     f"--resume {args.resume}: the checkpoint is of model {resumed.get('model')!r} "
-                    f"with seq_len {resumed.get('seq_len')}, not {given.get('model', resumed.get('model'))!r} "
-                    f"with seq_len {given.get('seq_len', resumed.get('seq_len'))}"
+                    f"with seq_len {resumed.get('seq_len')}; --{k.replace('_', '-')} {given[k]} "
+                    "does not match it"
                 )
     c = {k: given.get(k, resumed.get(k, v)) for k, v in DEFAULTS.items()}
     model_cfg = SIZES[c["model"]].with_seq_len(c["seq_len"])
@@ -176,6 +186,8 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
             f"--resume {args.resume}: the checkpoint's model shape "
             f"{resumed.get('model_config')} differs from {c['model']!r} here"
         )
+    if c["lr"] is None:
+        c["lr"] = PEAK_LR[c["model"]]
     if c["warmup"] is None:
         c["warmup"] = min(100, c["steps"] // 10)
     for k in ("steps", "batch_size", "seq_len", "grad_accum", "hsdp", "eval_every", "eval_batches"):
@@ -269,10 +281,12 @@ def train(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
+    from .. import checkpoint
     from ..data import BatchSampler, eval_offsets, load_corpus, windows
     from ..models.gpt import GPT, GPTConfig, num_params, shard_model
     from ..module import FSDPModule
     from ..precision import MixedPrecisionPolicy
+    from ..trace import trace
 
     w = init_worker()
     if os.environ.get(LAUNCH_ID_ENV) and args.out:
@@ -347,7 +361,7 @@ def train(args: argparse.Namespace) -> int:
     step = 0
     if cfg["resume"]:
         # Also puts back each rank's RNG states (torch, CUDA, Python, NumPy).
-        extra = _checkpoint_module().load(cfg["resume"], model, optimizer) or {}
+        extra = checkpoint.load(cfg["resume"], model, optimizer) or {}
         step = int(extra.get("step", cfg["resume_step"]))
 
     def lr_at(s: int) -> float:
@@ -384,7 +398,7 @@ def train(args: argparse.Namespace) -> int:
             "model_config": cfg["model_config"],
             "data": {"seed": cfg["seed"], "next_step": at + 1, "corpus_sha256": corpus.sha256},
         }
-        _checkpoint_module().save(path, model, optimizer, extra=extra)
+        checkpoint.save(path, model, optimizer, extra=extra)
         return path
 
     # The loop. One row of metrics per optimizer step; every rank stops at
@@ -392,29 +406,33 @@ def train(args: argparse.Namespace) -> int:
     report = Reporter(cfg, num_params(model), step) if w.is_main else None
     tokens_per_step = cfg["batch_size"] * seq_len
     saved_at, stopped, t_start = -1, False, time.perf_counter()
+    # One step of each launch is traced into timeline.json/png: the second, warmed up.
+    traced_step = min(step + 2, cfg["steps"])
     if w.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     while step < cfg["steps"] and not stopped:
         step += 1
         t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        loss_sum = torch.zeros((), device=w.device)
-        for k in range(micro_steps):
-            # Reduce gradients once per step, after the last microbatch.
-            cast(FSDPModule, model).set_requires_gradient_sync(k == micro_steps - 1)
-            loss = loss_of(*sampler.batch(step, k))
-            (loss / micro_steps).backward()
-            loss_sum += loss.detach()
-        grad_norm = _clip(model, cfg["grad_clip"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        shared = torch.stack(
-            [loss_sum / micro_steps, torch.tensor(float(stop.signum is not None), device=w.device)]
-        )
-        dist.all_reduce(shared)
-        loss_val, stopped = (shared[0] / w.world).item(), bool(shared[1].item() > 0)
-        dt = time.perf_counter() - t0
+        with trace() if step == traced_step else contextlib.nullcontext() as timeline:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+            loss_sum = torch.zeros((), device=w.device)
+            for k in range(micro_steps):
+                # Reduce gradients once per step, after the last microbatch.
+                cast(FSDPModule, model).set_requires_gradient_sync(k == micro_steps - 1)
+                loss = loss_of(*sampler.batch(step, k))
+                (loss / micro_steps).backward()
+                loss_sum += loss.detach()
+            grad_norm = _clip(model, cfg["grad_clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stopping = torch.tensor(float(stop.signum is not None), device=w.device)
+            shared = torch.stack([loss_sum / micro_steps, stopping])
+            dist.all_reduce(shared)
+            loss_val, stopped = (shared[0] / w.world).item(), bool(shared[1].item() > 0)
+            dt = time.perf_counter() - t0
+        if timeline is not None and report:
+            report.timeline(timeline, step)
         row = {
             "step": step,
             "loss": loss_val,
@@ -435,6 +453,9 @@ def train(args: argparse.Namespace) -> int:
     path = save(step) if saved_at != step else out / "checkpoints" / f"step_{step:06d}"
     if report:
         report.finish(step, stopped, stop.signum, path)
+    # Leave together: a rank tearing down its connections while rank 0 still
+    # plots was once seen to abort on exit.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
@@ -465,12 +486,6 @@ def _peak_memory(w: Worker) -> int:
     if w.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(w.device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _checkpoint_module() -> Any:
-    from .. import checkpoint
-
-    return checkpoint
 
 
 def _step_of(ckpt: Path) -> int:

@@ -1,0 +1,120 @@
+"""``shardwise sample``: load a trained checkpoint and print a continuation of a prompt.
+
+One process by default: the checkpoint's shards are stitched into a plain,
+unsharded model. With ``--nproc N`` (or under ``torchrun``) every rank loads
+its own shards into a sharded model and all ranks generate in lockstep; rank
+0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Any
+
+from .main import (
+    UsageError,
+    add_launch_arguments,
+    find_checkpoint,
+    in_worker,
+    init_worker,
+    launch,
+    launch_from_args,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardwise sample",
+        description="Print a continuation of a prompt from a model trained by `shardwise train`.",
+    )
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="DIR",
+        help="a run folder (its latest checkpoint) or a checkpoint folder",
+    )
+    p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: 200)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 picks the likeliest byte (default: 0.8)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=40, help="sample among the k likeliest (default: 40)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    # One process unless asked: sampling needs no more, and loads any checkpoint.
+    add_launch_arguments(p, nproc_default="1, this process")
+    p.set_defaults(nproc=1)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tokens < 0:
+        raise UsageError(f"--tokens must be at least 0, got {args.tokens}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be at least 0, got {args.temperature}")
+    if args.top_k < 1:
+        raise UsageError(f"--top-k must be at least 1, got {args.top_k}")
+    ckpt, config = find_checkpoint(args.ckpt, "--ckpt")
+    if in_worker():
+        return _sample(args, ckpt, config, distributed=True)
+    where = launch_from_args(args)
+    if where.world == 1:
+        return _sample(args, ckpt, config, distributed=False)
+    keep = ("ckpt", "prompt", "tokens", "temperature", "top_k", "seed")
+    worker_args = {k: getattr(args, k) for k in keep}
+    return launch("sample", worker_args, where, on_signal=lambda _id, signum: 128 + signum)
+
+
+def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distributed: bool) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .. import checkpoint
+    from ..models.gpt import GPT, GPTConfig, generate, shard_model
+
+    cfg = GPTConfig(**config["model_config"])
+    if distributed:
+        w = init_worker()
+        device, is_main = w.device, w.is_main
+        with torch.device(device):
+            model = GPT(cfg)
+        shard_model(model, mesh=init_device_mesh(device.type, (w.world,)))
+    else:
+        device, is_main = torch.device("cuda" if torch.cuda.is_available() else "cpu"), True
+        with torch.device(device):
+            model = GPT(cfg)
+    with warnings.catch_warnings():
+        # DCP warns that it loads "in a single process" when that is what we asked for.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        extra = checkpoint.load(ckpt, model) or {}
+    model.eval()
+
+    prompt = args.prompt.encode() or b"\n"
+    idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    # The same seed on every rank: every rank samples the same bytes, so the
+    # sharded forwards stay in lockstep without sending tokens around.
+    gen = torch.Generator().manual_seed(args.seed)
+    out = generate(
+        model,
+        idx,
+        args.tokens,
+        seq_len=cfg.seq_len,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        generator=gen,
+    )
+    if is_main:
+        step = extra.get("step", "?")
+        print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
+        print(bytes(out[0].tolist()).decode("utf-8", errors="replace"), flush=True)
+    if distributed:
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,298 @@
+"""The ``shardwise`` command line, end to end, as a person runs it: in subprocesses.
+
+Every training run here uses 2 CPU processes (gloo) and a shrunken batch so
+the whole file stays within a few minutes on a 2-core machine. One reference
+run (the module fixture) serves the file checks, the resume comparison, the
+wrong-model-size check and ``sample``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# Small and quick, but still a real run: 2 ranks, validation, a checkpoint.
+FAST = ["--steps", "24", "--batch-size", "8", "--seq-len", "64", "--eval-every", "8"]
+
+
+def shardwise(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise", *args],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Never let an outer launcher's variables make the CLI think it is a worker.
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDWISE_LAUNCH_ID"):
+        env.pop(k, None)
+    return env
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run; several tests read it, none writes to it."""
+    cwd = tmp_path_factory.mktemp("reference")
+    r = shardwise("train", *FAST, "--nproc", "2", "--out", "run", cwd=cwd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return cwd / "run"
+
+
+# ---- the happy path -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_train_writes_the_run_folder_and_learns(reference: Path) -> None:
+    written = {p.name for p in reference.iterdir()}
+    assert {"config.json", "metrics.jsonl", "loss.png", "throughput.png", "summary.json"} <= written
+    assert {"timeline.json", "timeline.png", "checkpoints"} <= written
+    config = json.loads((reference / "config.json").read_text())
+    assert config["world_size"] == 2 and config["model"] == "tiny" and config["seq_len"] == 64
+    metrics = rows(reference)
+    assert [r["step"] for r in metrics] == list(range(1, 25))
+    for r in metrics:
+        assert {"step", "loss", "tokens_per_s", "peak_mem_bytes"} <= r.keys()
+        assert r["tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0
+    assert [r["step"] for r in metrics if "val_loss" in r] == [8, 16, 24]
+    first, last = metrics[0]["loss"], sum(r["loss"] for r in metrics[-4:]) / 4
+    assert last < first - 1.0, f"loss did not decrease: {first:.3f} -> {last:.3f}"
+    vals = [r["val_loss"] for r in metrics if "val_loss" in r]
+    assert vals[-1] < vals[0]
+    assert checkpoints(reference) == ["step_000024"]
+    assert (reference / "checkpoints" / "step_000024" / ".metadata").is_file()
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["steps_done"] == 24 and not summary["stopped_early"]
+    assert summary["timeline"]["step"] == 2 and summary["timeline"]["collectives"]["all_gather"]
+    assert json.loads((reference / "timeline.json").read_text())["traceEvents"]
+
+
+@pytest.mark.timeout(180)
+def test_interrupt_saves_and_resume_repeats_the_losses(reference: Path, tmp_path: Path) -> None:
+    """Ctrl-C mid-run: exit 0 with a checkpoint; --resume then gives the very same losses."""
+    cmd = [sys.executable, "-m", "shardwise", "train", *FAST, "--nproc", "2", "--out", "run"]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "stopped by SIGINT" in out
+    stopped = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert stopped["stopped_early"] and stopped["steps_done"] < 24, out
+    assert checkpoints(tmp_path / "run") == [f"step_{stopped['steps_done']:06d}"]
+
+    r = shardwise("train", "--resume", "run", "--nproc", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed at step {stopped['steps_done']}" in r.stdout
+    resumed, expected = rows(tmp_path / "run"), rows(reference)
+    assert [r["step"] for r in resumed] == list(range(1, 25))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in expected]
+    assert [r.get("val_loss") for r in resumed] == [r.get("val_loss") for r in expected]
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardwise",
+        "train",
+        "--steps",
+        "500",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--nproc",
+        "2",
+        "--out",
+        "run",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    step = json.loads((tmp_path / "run" / "summary.json").read_text())["steps_done"]
+    assert 1 <= step < 500 and len(rows(tmp_path / "run")) == step
+    assert checkpoints(tmp_path / "run") == [f"step_{step:06d}"]
+    assert (tmp_path / "run" / "loss.png").is_file()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_sample_prints_a_continuation(reference: Path, nproc: str) -> None:
+    r = shardwise(
+        "sample",
+        "--ckpt",
+        str(reference),
+        "--prompt",
+        "def ",
+        "--tokens",
+        "16",
+        "--nproc",
+        nproc,
+        cwd=reference.parent,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("def ") and len(r.stdout.rstrip("\n")) >= 4 + 1
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_direct_with_hsdp_accumulation_checkpointing_bf16(tmp_path: Path) -> None:
+    """The same entry under torchrun itself, with the flags a plain run does not touch."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "shardwise",
+        "train",
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--hsdp",
+        "2",
+        "--grad-accum",
+        "2",
+        "--activation-checkpointing",
+        "reentrant",
+        "--mixed-precision",
+        "bf16",
+        "--out",
+        "run",
+    ]
+    env = _env() | {"OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=140)
+    assert r.returncode == 0, r.stdout + r.stderr
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["world_size"] == 4 and config["hsdp"] == 2
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3]
+    assert checkpoints(tmp_path / "run") == ["step_000003"]
+
+
+@pytest.mark.timeout(60)
+def test_help_and_bench_placeholder(tmp_path: Path) -> None:
+    r = shardwise("--help", cwd=tmp_path)
+    assert r.returncode == 0 and "train" in r.stdout and "sample" in r.stdout
+    r = shardwise("bench", cwd=tmp_path)
+    assert r.returncode == 2 and "not implemented yet" in r.stderr
+
+
+# ---- bad input: one line on stderr, exit code 2, nothing written ----------------------------
+
+
+def _bad(args: list[str], cwd: Path) -> str:
+    r = shardwise(*args, cwd=cwd, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "no/such/file.txt"], "--data no/such/file.txt: no such file or folder"),
+        (["--nproc", "10000"], "--nproc 10000 is more than"),
+        (["--nproc", "2", "--hsdp", "3"], "--hsdp 3 does not divide the 2 processes"),
+        (["--resume", "."], "not a checkpoint"),
+    ],
+)
+def test_bad_input(args: list[str], message: str, tmp_path: Path) -> None:
+    line = _bad(["train", *args, "--out", "never"], tmp_path)
+    assert message in line
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.timeout(60)
+def test_resume_of_another_model_size(reference: Path, tmp_path: Path) -> None:
+    before = {p: p.stat().st_mtime_ns for p in reference.rglob("*")}
+    line = _bad(["train", "--resume", str(reference), "--model", "small"], tmp_path)
+    assert "the checkpoint is of model 'tiny'" in line and "--model small" in line
+    assert {p: p.stat().st_mtime_ns for p in reference.rglob("*")} == before
+
+
+@pytest.mark.timeout(60)
+def test_sample_of_a_folder_that_is_no_checkpoint(tmp_path: Path) -> None:
+    line = _bad(["sample", "--ckpt", str(tmp_path)], tmp_path)
+    assert "not a checkpoint" in line
+
+
+# ---- the pieces the CLI is built from (in process, no subprocess needed) ---------------------
+
+
+@pytest.mark.timeout(60)
+def test_each_rank_reads_its_slice_of_the_same_global_batch() -> None:
+    import torch
+
+    from shardwise.data import BatchSampler
+
+    data = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+
+    def global_batch(world: int, accum: int, step: int) -> list[list[int]]:
+        rows = []
+        for rank in range(world):
+            s = BatchSampler(
+                data, seq_len=8, batch_size=8, seed=3, rank=rank, world=world, grad_accum=accum
+            )
+            for k in range(accum):
+                rows += s.batch(step, k)[0].tolist()
+        return sorted(rows)
+
+    assert global_batch(1, 1, 5) == global_batch(2, 2, 5) == global_batch(4, 2, 5)
+    assert global_batch(2, 1, 5) != global_batch(2, 1, 6)
+
+
+@pytest.mark.timeout(60)
+def test_default_corpus_and_model_sizes() -> None:
+    import torch
+
+    from shardwise.data import load_corpus
+    from shardwise.models import GPT, SIZES, num_params
+
+    a, b = load_corpus(), load_corpus()
+    assert a.sha256 == b.sha256 and 1_000_000 < a.train.numel() + a.val.numel() <= 4 * 2**20
+    assert a.val.numel() < a.train.numel() / 10
+    with torch.device("meta"):
+        assert 0.9e9 <= num_params(GPT(SIZES["medium"])) <= 1.1e9
+    model = GPT(SIZES["tiny"])  # unsharded, no process group
+    assert model(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
