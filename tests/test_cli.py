@@ -208,12 +208,26 @@ def test_torchrun_direct_with_hsdp_accumulation_checkpointing_bf16(tmp_path: Pat
     assert checkpoints(tmp_path / "run") == ["step_000003"]
 
 
-@pytest.mark.timeout(60)
-def test_help_and_bench_placeholder(tmp_path: Path) -> None:
+@pytest.mark.timeout(180)
+def test_help_and_bench_side_by_side(tmp_path: Path) -> None:
     r = shardwise("--help", cwd=tmp_path)
     assert r.returncode == 0 and "train" in r.stdout and "sample" in r.stdout
-    r = shardwise("bench", cwd=tmp_path)
-    assert r.returncode == 2 and "not implemented yet" in r.stderr
+    r = shardwise(
+        "bench", "--device", "cpu", "--model", "tiny", "--nproc", "2", "--seq-len", "32",
+        "--batch-size", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
+        "--json", "bench.json", "--plot", "bench.png", cwd=tmp_path, timeout=170,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads((tmp_path / "bench.json").read_text())
+    by_config = {row["config"]: row for row in result["rows"]}
+    assert set(by_config) == {"fsdp2", "shardwise"}  # no bare model at 2 ranks
+    ours = by_config["shardwise"]
+    assert ours["step_ms"] > 0 and ours["peak_gib"] > 0 and ours["tokens_per_s"] > 0
+    assert ours["step_vs_fsdp2"] == pytest.approx(ours["step_ms"] / by_config["fsdp2"]["step_ms"])
+    assert "step_vs_fsdp2" in r.stdout  # the table
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    r = shardwise("bench", "--model", "huge", cwd=tmp_path)
+    assert r.returncode == 2 and "unknown --model 'huge'" in r.stderr
 
 
 # ---- bad input: one line on stderr, exit code 2, nothing written ----------------------------
