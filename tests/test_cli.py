@@ -213,9 +213,29 @@ def test_help_and_bench_side_by_side(tmp_path: Path) -> None:
     r = shardwise("--help", cwd=tmp_path)
     assert r.returncode == 0 and "train" in r.stdout and "sample" in r.stdout
     r = shardwise(
-        "bench", "--device", "cpu", "--model", "tiny", "--nproc", "2", "--seq-len", "32",
-        "--batch-size", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
-        "--json", "bench.json", "--plot", "bench.png", cwd=tmp_path, timeout=170,
+        "bench",
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--nproc",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--json",
+        "bench.json",
+        "--plot",
+        "bench.png",
+        cwd=tmp_path,
+        timeout=170,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads((tmp_path / "bench.json").read_text())

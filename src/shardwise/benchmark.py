@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import resource
@@ -192,11 +193,13 @@ def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (1,))
+        checked = functools.partial(fully_shard, check=True)
         models = {}
         for name, shard in (
             ("bare", None),
             ("fsdp2", torch_fully_shard),
             ("shardwise", fully_shard),
+            ("shardwise_check", checked),  # lifecycle checks on: what "off" saves
         ):
             torch.manual_seed(0)
             m = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(n_modules)))
@@ -215,7 +218,7 @@ def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -
                 if step >= 5:
                     times[name].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
-        q.put(("ok", {k: (med[k] - med["bare"]) / n_modules * 1e6 for k in ("fsdp2", "shardwise")}))
+        q.put(("ok", {k: (med[k] - med["bare"]) / n_modules * 1e6 for k in models if k != "bare"}))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001
         q.put(("error", repr(e)))

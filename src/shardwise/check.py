@@ -46,26 +46,28 @@ def check_forward_entry(ctx: FSDPContext) -> None:
             raise _fail(ctx, s, "is still unsharded at the start of a forward")
 
 
-def check_backward_end(ctx: FSDPContext) -> None:
+def check_backward_end(ctx: FSDPContext) -> LifecycleError | None:
+    """The first violation found, returned so the caller can clean up before raising."""
     for s in ctx.states:
         g = s.group
         if g is None:
             continue
         if s.backward_done and s.reshard_after_backward and g.state is not GroupState.SHARDED:
-            raise _fail(
+            return _fail(
                 ctx,
                 s,
                 "was gathered again after its post-backward (nothing would "
                 "reshard it: the seed's failure)",
             )
         if g.prefetched:
-            raise _fail(ctx, s, "was prefetched in backward but its gather was never used")
+            return _fail(ctx, s, "was prefetched in backward but its gather was never used")
         used = g.last_used
         if used is not None:
             states = {sp.sharded.grad is None for sp, u in zip(g.trainable, used) if u}
             if len(states) > 1:
-                raise _fail(
+                return _fail(
                     ctx,
                     s,
                     "has a mix of set and missing gradients among its used trainable parameters",
                 )
+    return None

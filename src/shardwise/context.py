@@ -172,10 +172,11 @@ class FSDPContext:
     def _final_callback(self) -> None:
         """End of backward: every reduction done, every module sharded and IDLE."""
         self.finish_reduces()
+        error = None
         if self.check:
             from .check import check_backward_end
 
-            check_backward_end(self)
+            error = check_backward_end(self)
         for s in self.states:
             s.on_backward_end()
         if self.bwd_order is None or not self.bwd_order.same(self._bwd_seen):
@@ -186,6 +187,10 @@ class FSDPContext:
         tracer = active_trace()
         if tracer is not None:
             tracer.end("backward", "")
+        if error is not None:
+            # Raised after the clean-up: no collective is left in flight and the
+            # model is usable again (sharded, IDLE) if the caller carries on.
+            raise error
 
     def reshard_all(self) -> None:
         for s in self.states:

@@ -115,6 +115,8 @@ class ModuleState:
             if g is not None and not s.backward_done and g.state is GroupState.SHARDED:
                 g.unshard()
                 g.prefetched = True
+                if self.context is not None and self.context.check:
+                    self.context.log(f"{s.label}: prefetched by {self.label}")
         group.wait_unsharded()
 
     # ---- hooks --------------------------------------------------------------------------
@@ -209,6 +211,11 @@ class ModuleState:
         ctx.enter_backward()
         if ctx.check:
             ctx.log(f"{self.label}: post-backward")
+        tracer = active_trace()
+        if tracer is not None:
+            # torch's non-reentrant checkpoint stops a recompute early, without
+            # post-forward hooks: the recompute span ends here at the latest.
+            tracer.end("recompute", self.label)
         # One reduction in flight at a time bounds the gradient memory held.
         ctx.finish_reduces()
         job = self.group.reduce_grads(grads)
@@ -267,7 +274,10 @@ class FSDPModule:
         return self._shardwise_state.context
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        group = self._shardwise_state.group
+        state = self._shardwise_state
+        group = state.group
+        if state.context is not None and state.context.check:
+            state.context.log(f"{state.label}: unshard() called directly")
         if group is not None:
             group.unshard()
         handle = UnshardHandle(group)
