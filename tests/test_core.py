@@ -344,3 +344,46 @@ def test_public_api_names() -> None:
     for name in ("fully_shard", "FSDPModule", "Phase", "MixedPrecisionPolicy", "LifecycleError"):
         assert hasattr(shardwise, name)
     assert {p.name for p in Phase} == {"IDLE", "FORWARD", "BACKWARD"}
+
+
+# ---- exceptions inside forward or backward ------------------------------------------------------
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def exception_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    shard_net(model, {})
+    idx = batches(1)[0].chunk(world)[rank]
+
+    def explode_forward(module, args):
+        raise Boom("in forward")
+
+    handle = model.stages[1].a.register_forward_pre_hook(explode_forward)
+    with pytest.raises(Boom):
+        loss_fn(model, idx)
+    handle.remove()
+    out = model(idx[:, :-1])
+
+    def explode_backward(grad):
+        raise Boom("in backward")
+
+    out.register_hook(explode_backward)
+    with pytest.raises(Boom):
+        out.float().pow(2).mean().backward()
+    model.zero_grad()
+    # Both failures are behind us: a normal step works and matches the reference.
+    loss = loss_fn(model, idx)
+    loss.backward()
+    assert_between_steps(model)
+    loss_fn(ref, batches(1)[0]).backward()
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_model_recovers_after_an_exception_in_forward_or_backward() -> None:
+    run_distributed(exception_worker, 2)

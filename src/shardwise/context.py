@@ -106,6 +106,12 @@ class FSDPContext:
     # ---- recorded orders -----------------------------------------------------------------
 
     def begin_forward(self) -> None:
+        # A forward that raised leaves modules FORWARD and maybe gathered:
+        # recover here rather than refuse every later step.
+        for s in self.states:
+            if s.phase is not Phase.IDLE:
+                s.phase = Phase.IDLE
+                s.reshard_now()
         self._fwd_seen = []
         self._fwd_on_track = True
         tracer = active_trace()
@@ -163,6 +169,17 @@ class FSDPContext:
         for s in self.states:
             s.on_backward_start()
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def abandon_backward(self) -> None:
+        """A backward that raised never reaches the final callback: clean up as it would."""
+        if self.check:
+            self.log("context: backward was abandoned (an exception inside it)")
+        # Modules whose post-backward ran keep their reduced gradients, as
+        # plain autograd keeps the gradients it accumulated before the error.
+        self.finish_reduces()
+        for s in self.states:
+            s.on_backward_end()
+        self.phase = Phase.IDLE
 
     def finish_reduces(self) -> None:
         jobs, self.pending_reduces = self.pending_reduces, []

@@ -124,6 +124,8 @@ class ModuleState:
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.context or self._lazy_init()
         tracer = active_trace()
+        if ctx.phase is Phase.BACKWARD and not _autograd_running():
+            ctx.abandon_backward()
         if ctx.phase is Phase.BACKWARD:
             # A recomputed forward (activation checkpointing) inside backward:
             # never prefetch in forward order -- that module's backward may be
@@ -245,6 +247,11 @@ class ModuleState:
     def reshard_now(self) -> None:
         if self.group is not None and self.group.state is not GroupState.SHARDED:
             self.group.reshard()
+
+
+def _autograd_running() -> bool:
+    """Whether this thread is inside an autograd backward pass right now."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class UnshardHandle:
