@@ -20,6 +20,7 @@ import shardwise
 from dist_utils import run_distributed
 from models import Net, batches, loss_fn
 from shardwise import FSDPModule, Phase, collectives, fully_shard
+from shardwise.param_group import GroupState
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -387,3 +388,45 @@ def exception_worker(rank: int, world: int) -> None:
 
 def test_model_recovers_after_an_exception_in_forward_or_backward() -> None:
     run_distributed(exception_worker, 2)
+
+
+# ---- memory behaviour that a CPU can check ----------------------------------------------------
+
+
+class Deep(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def gathered_at_once_worker(rank: int, world: int, prefetch: int) -> list[int]:
+    torch.manual_seed(0)
+    model = Deep()
+    for b in model.blocks:
+        fully_shard(b, prefetch=prefetch)
+    fully_shard(model, prefetch=prefetch)
+    peaks: list[int] = []
+
+    def count(module, args):
+        blocks = [b._shardwise_state.group for b in model.blocks]
+        peaks.append(sum(g.state is not GroupState.SHARDED for g in blocks))
+
+    for b in model.blocks:
+        b.register_forward_pre_hook(count)  # runs after shardwise's own pre-forward
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        model(x).sum().backward()
+        assert_between_steps(model)  # and no unsharded storage left after the step
+    return peaks
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_blocks_gathered_at_once_in_forward_never_exceed_one_plus_prefetch(prefetch: int) -> None:
+    peaks = run_distributed(gathered_at_once_worker, 2, prefetch)[0]
+    assert max(peaks) == 1 + prefetch, peaks  # reached, never exceeded
