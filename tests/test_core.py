@@ -430,3 +430,94 @@ def gathered_at_once_worker(rank: int, world: int, prefetch: int) -> list[int]:
 def test_blocks_gathered_at_once_in_forward_never_exceed_one_plus_prefetch(prefetch: int) -> None:
     peaks = run_distributed(gathered_at_once_worker, 2, prefetch)[0]
     assert max(peaks) == 1 + prefetch, peaks  # reached, never exceeded
+
+
+# ---- one module, several uses ---------------------------------------------------------------------
+
+
+class Twice(nn.Module):
+    """``a`` runs twice in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        x = torch.tanh(self.b(x))
+        x = torch.tanh(self.a(x))
+        return self.head(x)
+
+
+def several_uses_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = Twice()
+    model = copy.deepcopy(ref)
+    fully_shard(model.a)
+    fully_shard(model.b)
+    fully_shard(model)
+    x = torch.randn(8, 6)
+    xs = x.chunk(world)[rank]
+    seen: Counter[tuple[str, str]] = Counter()
+    remove = collectives.add_observer(lambda rec, _: seen.update([(rec.kind, rec.label)]))
+    for step in range(2):  # step 1 prefetches from the recorded order
+        seen.clear()
+        model(xs).sum().backward()
+        assert_between_steps(model)
+        assert seen[("reduce_scatter", "a")] == 1, seen  # one post-backward for two uses
+    remove()
+    ref(x).sum().backward()
+    ref_grads = [p.grad.clone() for p in ref.parameters()]
+    for (n, p), g in zip(model.named_parameters(), ref_grads):
+        torch.testing.assert_close(p.grad.full_tensor(), g * 2 / world, msg=n)
+    # Two forwards, one backward: each forward's graph gets what it needs.
+    model.zero_grad()
+    ref.zero_grad()
+    x2 = torch.randn(8, 6)
+    (model(xs).sum() + model(x2.chunk(world)[rank]).sum()).backward()
+    assert_between_steps(model)
+    (ref(x).sum() + ref(x2).sum()).backward()
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad / world, msg=n)
+    # A sharded child called on its own after the orders were recorded.
+    model.b(xs).sum().backward()
+    assert_between_steps(model)
+    # Double backward is refused with a clear message, and the model recovers.
+    out = model(xs.clone().requires_grad_()).sum()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(out, [model.a.weight], create_graph=True)
+
+
+def test_a_module_used_several_times_reduces_once_and_matches() -> None:
+    run_distributed(several_uses_worker, 2)
+
+
+def kept_gathered_steps_worker(rank: int, world: int) -> None:
+    """Modules kept gathered across optimizer steps must see the updated weights."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    shard_net(model, {"raf": False})
+    model.set_reshard_after_backward(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step, idx in enumerate(batches(3)):
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        if step == 0:
+            assert model.extra._shardwise_state.group.state is GroupState.UNSHARDED
+        opt.step()  # the optimizer holds the sharded parameters: it updates the shards
+        opt.zero_grad()
+        ref_loss = loss_fn(ref, idx)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        torch.testing.assert_close(mean / world, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_kept_gathered_modules_see_optimizer_updates() -> None:
+    run_distributed(kept_gathered_steps_worker, 2)

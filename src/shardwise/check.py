@@ -42,6 +42,8 @@ def check_forward_entry(ctx: FSDPContext) -> None:
         g = s.group
         if g is None or not s.reshard_after_forward or not s.reshard_after_backward:
             continue
+        if s is ctx.root:
+            continue  # kept after a training forward whose backward never came: legitimate
         if g.state is not GroupState.SHARDED or g.unsharded_bytes:
             raise _fail(ctx, s, "is still unsharded at the start of a forward")
 
@@ -59,7 +61,8 @@ def check_backward_end(ctx: FSDPContext) -> LifecycleError | None:
                 "was gathered again after its post-backward (nothing would "
                 "reshard it: the seed's failure)",
             )
-        if g.prefetched:
+        if g.prefetched and ctx.bwd_order is not None:
+            # (The first backward prefetches from the static order, a guess.)
             return _fail(ctx, s, "was prefetched in backward but its gather was never used")
         used = g.last_used
         if used is not None:

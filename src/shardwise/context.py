@@ -62,7 +62,7 @@ class ExecutionOrder:
     """
 
     def __init__(self, states: list[ModuleState], depth_of: dict[int, int]) -> None:
-        self.states = states
+        self.states = list(states)  # a copy: the recording list keeps growing
         gathering = [i for i, s in enumerate(states) if s.group is not None]
         self.targets: list[list[ModuleState]] = []
         for pos, s in enumerate(states):
@@ -99,6 +99,7 @@ class FSDPContext:
         self._bwd_seen: list[ModuleState] = []
         self._fwd_on_track = True
         self._bwd_on_track = True
+        self._in_forward = False
 
     def __repr__(self) -> str:
         return f"FSDPContext(root={self.root.label!r}, modules={len(self.states)}, phase={self.phase.name})"
@@ -112,7 +113,10 @@ class FSDPContext:
             if s.phase is not Phase.IDLE:
                 s.phase = Phase.IDLE
                 s.reshard_now()
+            if s.group is not None:
+                s.group.detach_autograd()  # a new forward pass: one attachment per module
         self._fwd_seen = []
+        self._in_forward = True
         self._fwd_on_track = True
         tracer = active_trace()
         if tracer is not None:
@@ -121,6 +125,8 @@ class FSDPContext:
     def forward_needs(self, state: ModuleState) -> list[ModuleState] | None:
         """Record that ``state`` runs its forward now; return what to prefetch
         from the recorded order (None: no recorded order yet, use the static one)."""
+        if not self._in_forward:
+            return []  # a sharded child called on its own: record nothing, prefetch nothing
         pos = len(self._fwd_seen)
         self._fwd_seen.append(state)
         order = self.fwd_order
@@ -132,6 +138,7 @@ class FSDPContext:
         return []
 
     def end_forward(self) -> None:
+        self._in_forward = False
         if self.fwd_order is None or not self.fwd_order.same(self._fwd_seen):
             self.fwd_order = ExecutionOrder(self._fwd_seen, self._depths())
         tracer = active_trace()

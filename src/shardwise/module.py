@@ -101,6 +101,8 @@ class ModuleState:
         group = self.group
         if group is None:
             return
+        if group.stale():
+            group.reshard()  # kept gathered across an optimizer step: gather the new values
         tracer = active_trace()
         if tracer is not None and group.state is not GroupState.UNSHARDED:
             tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
@@ -134,19 +136,20 @@ class ModuleState:
                 ctx.log(f"{self.label}: recompute forward")
             if tracer is not None:
                 tracer.begin("recompute", self.label)
-            targets = self.bwd_targets
             if self.phase is Phase.IDLE:  # first need of this module in this backward
                 needs = ctx.backward_needs(self)
-                targets = targets if targets is not None else needs
-            self._set_phase(Phase.BACKWARD)
-            self._gather(targets if targets is not None else self.bwd_default)
+                targets = self.bwd_targets if self.bwd_targets is not None else needs
+                self._set_phase(Phase.BACKWARD)
+                self._gather(targets if targets is not None else self.bwd_default)
+            else:  # its pre-backward already gathered it and prefetched
+                self._gather([])
         else:
             if self is ctx.root:
+                ctx.begin_forward()  # recovers from a forward that raised, first
                 if ctx.check:
                     from .check import check_forward_entry
 
                     check_forward_entry(ctx)
-                ctx.begin_forward()
             if ctx.check:
                 ctx.log(f"{self.label}: forward")
             needs = ctx.forward_needs(self)
@@ -197,8 +200,17 @@ class ModuleState:
         ctx = self.context
         assert ctx is not None
         ctx.enter_backward()
-        if self.backward_done or self.phase is Phase.BACKWARD:
+        if self.phase is Phase.BACKWARD:
             return
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"module {self.label!r}: backward with create_graph=True (double backward, e.g. "
+                "a gradient penalty) is not supported by shardwise: the second-order graph "
+                "would use parameters that are resharded after their first backward"
+            )
+        # backward_done here: another forward's use of this module (two forwards, one
+        # backward) needs it again after its first post-backward: gather again.
+        self.backward_done = False
         if ctx.check:
             ctx.log(f"{self.label}: pre-backward")
         needs = ctx.backward_needs(self)
