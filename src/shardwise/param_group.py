@@ -296,7 +296,20 @@ class ParamGroup:
         self.state = GroupState.UNSHARDED
         self._install_plain()
 
+    def _shards_version(self) -> int:
+        # In-place updates through DTensor (optimizers) bump the parameter's own
+        # version counter, not the local tensor's: dispatch runs below autograd.
+        return sum(sp.sharded._version for sp in self.params)
+
+    def stale(self) -> bool:
+        """Gathered, but the shards changed since (an optimizer step while kept gathered)."""
+        return (
+            self.state is GroupState.UNSHARDED
+            and self._shards_version() != self._gathered_version
+        )
+
     def _install_plain(self) -> None:
+        self._gathered_version = self._shards_version()  # what this gather read
         for sp in self.params:
             sp.install(sp.unsharded)
 
@@ -329,7 +342,9 @@ class ParamGroup:
             sp.install(sp.sharded)
         if not self.aliased:
             self.unsharded_flat.untyped_storage().resize_(0)
-        self._attached = None
+        # _attached survives a reshard: a module called twice in one forward
+        # uses the same autograd outputs (the storage is refilled in place), so
+        # its backward runs one post-backward. The context clears it per forward.
         self.prefetched = False
         self.state = GroupState.SHARDED
         tracer = active_trace()
