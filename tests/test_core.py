@@ -462,7 +462,7 @@ def several_uses_worker(rank: int, world: int) -> None:
     xs = x.chunk(world)[rank]
     seen: Counter[tuple[str, str]] = Counter()
     remove = collectives.add_observer(lambda rec, _: seen.update([(rec.kind, rec.label)]))
-    for step in range(2):  # step 1 prefetches from the recorded order
+    for _step in range(2):  # the second prefetches from the recorded order
         seen.clear()
         model(xs).sum().backward()
         assert_between_steps(model)

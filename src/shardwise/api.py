@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .module import FSDPModule, ModuleState
-from .param_group import ParamGroup
+from .param_group import ParamGroup, TPLayout, compose_tp
 from .precision import MixedPrecisionPolicy
 
 # Original parameter objects already taken by some fully_shard call: a second
@@ -27,6 +27,10 @@ from .precision import MixedPrecisionPolicy
 # Keyed by id with a weak reference to tell a live object from a reused id
 # (tensors cannot go in a WeakSet: membership would compare them with ==).
 _taken: dict[int, weakref.ref[nn.Parameter]] = {}
+# Live groups: their sharded DTensors are taken too. Those are looked up through
+# the groups, not weakly referenced: module.to_empty() swaps a DTensor parameter
+# in place (torch.utils.swap_tensors), which refuses weakly referenced tensors.
+_groups: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 
 
 def _is_taken(p: nn.Parameter) -> bool:
@@ -71,6 +75,12 @@ def fully_shard(
     ``(Replicate(), Shard(0))`` on a 2-D mesh: HSDP). The module's class
     becomes a subclass of ``FSDPModule``; the same object is returned.
 
+    Tensor parallel x FSDP: parameters already made DTensors by torch's
+    ``parallelize_module`` on ``mesh2d["tp"]`` are sharded over
+    ``mesh=mesh2d["dp"]`` (their TP-local pieces, over dp only) and become
+    DTensors on the 2-D mesh; in forward the TP modules see their usual
+    tp-mesh DTensors. docs/design.md says how the placements compose.
+
     ``prefetch`` is how many modules ahead (in forward, then backward order)
     are gathered while this one computes. ``check=True`` (or ``SHARDWISE_CHECK=1``
     when this is called) verifies the lifecycle at every forward entry and
@@ -95,13 +105,15 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     named = _owned_params(module, ignored)
     _check_params(module, named, mesh.device_type)
+    tp = _tp_layouts(named, mesh)
 
     if check is None:
         check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
     label = type(module).__name__
     state = ModuleState(module, mesh, reshard_after_forward, policy, prefetch, label, bool(check))
     if named:
-        state.group = ParamGroup(state, named, mesh, policy, label)
+        state.group = ParamGroup(state, named, mesh, policy, label, tp)
+        _groups.add(state.group)
     for _, p, _ in named:
         _taken[id(p)] = weakref.ref(p)
     module._shardwise_state = state  # type: ignore[assignment]
@@ -135,13 +147,23 @@ def _owned_params(
 ) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
     """Parameters of ``module`` outside sharded descendants, with every place each is registered."""
     found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    sharded: set[int] | None = None  # ids of live sharded DTensors, once a DTensor shows up
+
+    def taken(p: nn.Parameter) -> bool:
+        nonlocal sharded
+        if isinstance(p, DTensor):  # tensor parallel, or already sharded by us
+            if sharded is None:
+                sharded = {id(sp.sharded) for g in list(_groups) for sp in g.params}
+            if id(p) in sharded:
+                return True
+        return _is_taken(p)
 
     def visit(m: nn.Module, prefix: str) -> None:
         for name, p in m._parameters.items():
             if p is None or id(p) in ignored:
                 continue
             fqn = prefix + name
-            if isinstance(p, DTensor) or _is_taken(p):
+            if taken(p):
                 raise ValueError(
                     f"parameter {fqn!r} of {type(module).__name__} is already owned by another "
                     "fully_shard call (a weight tied across separately sharded modules?). Shard "
@@ -158,6 +180,13 @@ def _owned_params(
 
     visit(module, "")
     return list(found.values())
+
+
+def _tp_layouts(named: list[Any], mesh: DeviceMesh) -> list[TPLayout | None] | None:
+    """Tensor parallel (DTensor) parameters: how each composes with ``mesh`` (validated)."""
+    if not any(isinstance(p, DTensor) for _, p, _ in named):
+        return None
+    return [compose_tp(fqn, p, mesh) if isinstance(p, DTensor) else None for fqn, p, _ in named]
 
 
 def _check_params(module: nn.Module, named: list[Any], mesh_device: str) -> None:

@@ -9,9 +9,9 @@ stacked, and each DTensor norm is its own reduction. Here every rank sums
 many ranks hold a copy of it, and one all-reduce over the world gives the
 total. Same result as a single process; one collective per call.
 
-Assumption: every mesh spans the default process group (true for FSDP, HSDP
-and TP x FSDP on one mesh). Plain-tensor gradients are taken as replicated on
-every rank.
+Assumption: every mesh is the default process group's world or a sub-mesh
+of it whose complement holds copies (true for FSDP, HSDP and TP x FSDP on one
+root mesh). Plain-tensor gradients are taken as replicated on every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ from torch.distributed.tensor import DTensor, Replicate
 
 
 def _copies(g: torch.Tensor, world: int) -> int:
-    """How many ranks hold this exact local shard."""
+    """How many ranks hold this exact local shard.
+
+    ``Shard`` and ``_StridedShard`` (TP x FSDP) pieces are disjoint; copies come
+    from ``Replicate`` mesh dimensions (HSDP's replicas, TP-replicated norms and
+    biases) and from the ranks outside a sub-mesh (a parameter TP left plain is
+    sharded over dp only, so every tp rank holds the same piece).
+    """
     if not isinstance(g, DTensor):
         return world
     n = world // g.device_mesh.size()

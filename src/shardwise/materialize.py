@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .param_group import local_of
 
@@ -30,6 +30,13 @@ def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def _rows_of(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
+    if tuple(dt.placements) not in ((Shard(0),), (Replicate(), Shard(0))):
+        # Refuse rather than pick the wrong rows silently.
+        raise NotImplementedError(
+            f"materialize supports FSDP and HSDP parameters; this one is placed "
+            f"{tuple(dt.placements)} (tensor parallel?). Initialise it on CPU and load it with "
+            "shardwise.checkpoint.load_full_state_dict instead"
+        )
     mesh = dt.device_mesh
     world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     chunk = -(-full.shape[0] // world)

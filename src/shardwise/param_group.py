@@ -23,6 +23,13 @@ backward exactly once per backward pass, after every used trainable
 parameter's gradient exists (unused ones arrive as None), whether or not the
 module's inputs required grad. That backward is the post-backward hook; it
 returns no gradients itself: reduced shards are put on ``.grad`` by us.
+
+Tensor parallel parameters (DTensors on a ``tp`` mesh, from torch's
+``parallelize_module``) are sharded like any other, but what this group
+shards is each rank's TP-local piece: the flat layout, the all-gather and the
+reduce-scatter only ever see TP-local tensors, over the dp group. ``TPLayout``
+says how the two splits compose into one DTensor on the (dp, tp) mesh, and
+wraps the gathered TP-local piece back into the DTensor the TP module expects.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from . import collectives
 from .precision import MixedPrecisionPolicy, resolve_dtypes
@@ -57,20 +66,141 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class TPLayout:
+    """How tensor parallelism split a parameter before this group shards its TP-local piece.
+
+    Built by ``compose_tp`` (which validates); the group then treats the
+    TP-local piece as the parameter and uses this only to make DTensors.
+    """
+
+    mesh: DeviceMesh  # the 1-D tp mesh the parameter came on
+    placements: tuple[Placement, ...]  # its placement there: (Shard(d),) or (Replicate(),)
+    shape: torch.Size  # the full parameter
+    stride: tuple[int, ...]
+    sharded_mesh: DeviceMesh  # (dp, tp), or (replicate, shard, tp): the sharded parameter's
+    sharded_placements: tuple[Placement, ...]
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """The gathered TP-local piece as the tp-mesh DTensor TP modules expect.
+
+        ``from_local`` is differentiable: autograd reaches ``_Unsharded`` through
+        it, and its backward hands back the local gradient in this placement
+        (a TP ``Partial`` gradient is all-reduced over tp there, as in plain TP).
+        """
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+    def constant(self, local: torch.Tensor) -> torch.Tensor:
+        """The same DTensor without autograd (no-grad forwards): made once, reused."""
+        spec = DTensorSpec(
+            self.mesh, self.placements, TensorMeta(self.shape, self.stride, local.dtype)
+        )
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    get = getattr(mesh, "_get_root_mesh", None)  # torch >= 2.9
+    if get is not None:
+        return get()
+    from torch.distributed.device_mesh import _mesh_resources  # torch 2.6 - 2.8
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def compose_tp(fqn: str, p: DTensor, mesh: DeviceMesh) -> TPLayout:
+    """Validate a tensor parallel parameter against the FSDP ``mesh``; say how they compose.
+
+    ``mesh`` (dp, or (replicate, shard) for HSDP) and the parameter's 1-D tp
+    mesh must be sub-meshes of one root mesh, with the tp dimension after the
+    data-parallel ones. Rows of the TP-local piece are chunked over dp (like
+    any parameter). When tp also splits dim 0, that is "tp first, then dp",
+    which DTensor's left-to-right placements spell ``_StridedShard(0, tp)`` on
+    dp; then dim 0 must split evenly over tp x dp. Raises ``ValueError``
+    naming the parameter otherwise.
+    """
+    tp_mesh, placements = p.device_mesh, tuple(p.placements)
+    how = (
+        "build one mesh, e.g. mesh = init_device_mesh(device, (dp, tp), "
+        "mesh_dim_names=('dp', 'tp')), parallelize with mesh['tp'] and pass "
+        "fully_shard(..., mesh=mesh['dp'])"
+    )
+    if tp_mesh.ndim != 1 or not all(type(pl) is Shard or pl.is_replicate() for pl in placements):
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor with placements {placements} on a "
+            f"{tp_mesh.ndim}-D mesh; fully_shard composes with 1-D tensor parallelism only "
+            "(Shard or Replicate on one tp mesh dimension)"
+        )
+    tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
+    dp_names = tuple(mesh.mesh_dim_names or ())
+    if tp_name is not None and tp_name in dp_names:
+        raise ValueError(
+            f"parameter {fqn!r} is tensor parallel over mesh dimension {tp_name!r}, which is "
+            f"also given as the FSDP mesh (dimensions {dp_names}); FSDP must shard over the "
+            f"other, data-parallel dimension: {how}"
+        )
+    root = _root_mesh(tp_mesh)
+    if tp_name is None or not dp_names or root is tp_mesh or _root_mesh(mesh) is not root:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh}, and the FSDP mesh {mesh} is not "
+            "a data-parallel sub-mesh of the same root mesh (was the model parallelized on "
+            f"another mesh?); {how}"
+        )
+    order = list(root.mesh_dim_names or ())
+    if not set(dp_names) <= set(order):
+        raise ValueError(
+            f"parameter {fqn!r}: the FSDP mesh's dimensions {dp_names} are not dimensions of "
+            f"the root mesh {tuple(order)} (a flattened mesh?); pass a sub-mesh sliced by name"
+        )
+    if max(order.index(n) for n in dp_names) > order.index(tp_name):
+        raise ValueError(
+            f"parameter {fqn!r}: the tp dimension {tp_name!r} comes before the data-parallel "
+            f"dimensions {dp_names} in the mesh {tuple(order)}; put tp last (innermost)"
+        )
+    pl = placements[0]
+    if isinstance(pl, Shard) and pl.dim < 0:
+        pl = Shard(pl.dim + p.ndim)
+    tp_size, dp_size = tp_mesh.size(), mesh.size(mesh.ndim - 1)
+    dp_placement: Placement = Shard(0)
+    if isinstance(pl, Shard) and pl.dim == 0 and tp_size > 1:
+        # DTensor's _StridedShard needs even pieces (torch 2.6 checks it; later
+        # releases accept some uneven splits, but not all of them line up).
+        if p.shape[0] % (tp_size * dp_size):
+            raise ValueError(
+                f"parameter {fqn!r} has {p.shape[0]} rows, split over tp={tp_size} and then "
+                f"over dp={dp_size}; DTensor describes that two-level split of dim 0 only when "
+                f"it is even (else full_tensor and checkpoints would be wrong): make dim 0 a "
+                f"multiple of {tp_size * dp_size}"
+            )
+        dp_placement = _StridedShard(0, split_factor=tp_size)
+    replicate: tuple[Placement, ...] = (Replicate(),) if mesh.ndim == 2 else ()
+    return TPLayout(
+        tp_mesh,
+        (pl,),
+        p.shape,
+        _contiguous_stride(p.shape),
+        root[(*dp_names, tp_name)],
+        (*replicate, dp_placement, pl),
+    )
+
+
 @dataclass
 class ShardedParam:
     """One parameter: where it is registered, how it is split, its two forms."""
 
     fqn: str
     locations: list[tuple[nn.Module, str]]
-    shape: torch.Size
+    shape: torch.Size  # of what is sharded: the parameter, or its TP-local piece
     requires_grad: bool
     chunk_rows: int  # rows per rank, like torch.chunk: ceil(rows / world)
     row_numel: int
     offset: int  # start of this parameter's slot in the per-rank flat shard
     local_rows: int
+    tp: TPLayout | None = None
     sharded: nn.Parameter = field(init=False)
     unsharded: torch.Tensor = field(init=False)
+    plain: torch.Tensor = field(init=False)  # installed while gathered: unsharded, or its DTensor
 
     @property
     def slot(self) -> int:
@@ -116,7 +246,9 @@ class ParamGroup:
         mesh: DeviceMesh,
         mp_policy: MixedPrecisionPolicy | None,
         label: str,
+        tp: Sequence[TPLayout | None] | None = None,
     ) -> None:
+        """``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter)."""
         self.owner = owner
         self.label = label
         self.mesh = mesh
@@ -124,7 +256,9 @@ class ParamGroup:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
-        self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        self.placements: tuple[Placement, ...] = (
+            (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        )
         self.communicates = self.world > 1  # gathers go over the wire (else: alias or cast)
         self.orig_dtype = named[0][1].dtype
         self.mp_policy = mp_policy
@@ -139,21 +273,25 @@ class ParamGroup:
         self._attached: tuple[torch.Tensor, ...] | None = None
         self._accum: list[torch.Tensor | None] | None = None
 
+        layouts = list(tp) if tp is not None else [None] * len(named)
+        self.has_tp = any(t is not None for t in layouts)
         self.params: list[ShardedParam] = []
         offset = 0
-        for fqn, p, locs in named:
-            rows = p.shape[0]
+        for (fqn, p, locs), layout in zip(named, layouts):
+            shape = local_of(p).shape if layout is not None else p.shape
+            rows = shape[0]
             chunk = math.ceil(rows / self.world)
             local_rows = max(0, min(chunk, rows - self.rank * chunk))
             sp = ShardedParam(
                 fqn,
                 locs,
-                p.shape,
+                shape,
                 p.requires_grad,
                 chunk,
-                math.prod(p.shape[1:]),
+                math.prod(shape[1:]),
                 offset,
                 local_rows,
+                layout,
             )
             self.params.append(sp)
             offset += sp.slot
@@ -181,16 +319,21 @@ class ParamGroup:
         self._locals: list[torch.Tensor] = []
         for sp, (_, p, _) in zip(self.params, named):
             view = self._flat_view(sp)
+            src = local_of(p) if sp.tp is not None else p
             if device.type != "meta" and sp.local_rows:
                 start = self.rank * sp.chunk_rows
-                view.copy_(p.detach()[start : start + sp.local_rows])
+                view.copy_(src.detach()[start : start + sp.local_rows])
+            if sp.tp is None:
+                mesh, placements, shape = self.mesh, self.placements, sp.shape
+            else:
+                mesh, placements, shape = sp.tp.sharded_mesh, sp.tp.sharded_placements, sp.tp.shape
             dt = DTensor.from_local(
                 view,
-                self.mesh,
-                self.placements,
+                mesh,
+                placements,
                 run_check=False,
-                shape=sp.shape,
-                stride=_contiguous_stride(sp.shape),
+                shape=shape,
+                stride=_contiguous_stride(shape),
             )
             sp.sharded = nn.Parameter(dt, requires_grad=sp.requires_grad)
             self._locals.append(local_of(sp.sharded))
@@ -215,6 +358,7 @@ class ParamGroup:
             sp.unsharded = torch.empty(0, dtype=self.compute_dtype, device=device).set_(
                 storage, start, sp.shape, _contiguous_stride(sp.shape)
             )
+            sp.plain = sp.unsharded if sp.tp is None else sp.tp.constant(sp.unsharded)
         # Rank-major gather output -> param-major parameters, one kernel.
         self._copy_out = [
             self.unsharded_flat[sp.offset * self.world : (sp.offset + sp.slot) * self.world].view(
@@ -304,14 +448,13 @@ class ParamGroup:
     def stale(self) -> bool:
         """Gathered, but the shards changed since (an optimizer step while kept gathered)."""
         return (
-            self.state is GroupState.UNSHARDED
-            and self._shards_version() != self._gathered_version
+            self.state is GroupState.UNSHARDED and self._shards_version() != self._gathered_version
         )
 
     def _install_plain(self) -> None:
         self._gathered_version = self._shards_version()  # what this gather read
         for sp in self.params:
-            sp.install(sp.unsharded)
+            sp.install(sp.plain)
 
     def attach(self) -> None:
         """Install unsharded parameters that autograd tracks back to this group.
@@ -323,7 +466,12 @@ class ParamGroup:
             return
         if self._attached is None:
             out = _Unsharded.apply(self, *(sp.sharded for sp in self.trainable))
-            self._attached = out if isinstance(out, tuple) else (out,)
+            out = out if isinstance(out, tuple) else (out,)
+            if self.has_tp:
+                out = tuple(
+                    t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(self.trainable, out)
+                )
+            self._attached = out
         for sp, t in zip(self.trainable, self._attached):
             sp.install(t)
 
@@ -369,7 +517,9 @@ class ParamGroup:
         grads = [None if g is None else g.to(self.reduce_dtype) for g in grads]
         if not self.requires_gradient_sync:
             if self._accum is None:
-                self._accum = grads
+                # Our own copies: autograd's gradients may be expanded views, and
+                # later microbatches add into these in place.
+                self._accum = [None if g is None else g.clone() for g in grads]
             else:
                 self._accum = [
                     a if g is None else (g if a is None else a.add_(g))
