@@ -390,6 +390,19 @@ def bad_tp_worker(rank: int, world: int) -> dict[str, str]:
         fully_shard(reuse, mesh=mesh["dp"])
     msgs["owned"] = str(info.value)
     assert not isinstance(reuse, FSDPModule) and not isinstance(reuse.bias, DTensor)
+
+    # materialize cannot cut TP x FSDP rows yet: it says so instead of guessing.
+    torch.manual_seed(0)
+    tp_model = MLPBlock()
+    parallelize_module(tp_model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    fully_shard(tp_model, mesh=mesh["dp"])
+    before = {n: _local(p).clone() for n, p in tp_model.named_parameters()}
+    with pytest.raises(NotImplementedError) as nie:
+        shardwise.materialize(tp_model)
+    msgs["materialize"] = str(nie.value)
+    for n, p in tp_model.named_parameters():
+        assert isinstance(p, DTensor), n
+        torch.testing.assert_close(_local(p), before[n], msg=n)
     return msgs
 
 
@@ -407,3 +420,6 @@ def test_bad_tp_input_gets_one_clear_error_and_changes_nothing() -> None:
         and "multiple of 4" in msgs["uneven"]
     )
     assert "already owned" in msgs["owned"] and "weight" in msgs["owned"]
+    assert (
+        "tensor parallel" in msgs["materialize"] and "load_full_state_dict" in msgs["materialize"]
+    )

@@ -29,14 +29,21 @@ def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
+def _check_supported(model: nn.Module) -> None:
+    """Refuse, before touching anything, what we cannot cut rows for (tensor parallel)."""
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and tuple(p.placements) not in _SUPPORTED:
+            raise NotImplementedError(
+                f"materialize supports FSDP and HSDP parameters; {name!r} is placed "
+                f"{tuple(p.placements)} (tensor parallel?). Initialise the model on CPU and "
+                "load it with shardwise.checkpoint.load_full_state_dict instead"
+            )
+
+
+_SUPPORTED = ((Shard(0),), (Replicate(), Shard(0)))
+
+
 def _rows_of(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
-    if tuple(dt.placements) not in ((Shard(0),), (Replicate(), Shard(0))):
-        # Refuse rather than pick the wrong rows silently.
-        raise NotImplementedError(
-            f"materialize supports FSDP and HSDP parameters; this one is placed "
-            f"{tuple(dt.placements)} (tensor parallel?). Initialise it on CPU and load it with "
-            "shardwise.checkpoint.load_full_state_dict instead"
-        )
     mesh = dt.device_mesh
     world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     chunk = -(-full.shape[0] // world)
@@ -56,6 +63,7 @@ def materialize(
     result equals the same call on the unsharded model on one process with the
     same seed. Every rank must call it.
     """
+    _check_supported(model)
     if device is not None:
         model.to_empty(device=device)
     for sub in _apply_order(model):
