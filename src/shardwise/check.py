@@ -61,7 +61,7 @@ def check_backward_end(ctx: FSDPContext) -> LifecycleError | None:
                 "was gathered again after its post-backward (nothing would "
                 "reshard it: the seed's failure)",
             )
-        if g.prefetched and ctx.bwd_order is not None:
+        if g.prefetched and ctx.bwd.order is not None:
             # (The first backward prefetches from the static order, a guess.)
             return _fail(ctx, s, "was prefetched in backward but its gather was never used")
         used = g.last_used

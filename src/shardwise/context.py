@@ -78,6 +78,36 @@ class ExecutionOrder:
         return len(states) == len(self.states) and all(a is b for a, b in zip(states, self.states))
 
 
+class Recording:
+    """One pass (a forward or a backward) recorded against the last recorded order."""
+
+    def __init__(self) -> None:
+        self.order: ExecutionOrder | None = None
+        self.seen: list[ModuleState] = []
+        self.on_track = True
+
+    def start(self) -> None:
+        self.seen = []
+        self.on_track = True
+
+    def needs(self, state: ModuleState) -> list[ModuleState] | None:
+        """Record that ``state`` needs its parameters now; return what to prefetch
+        from the recorded order (None: nothing recorded yet, use the static order)."""
+        pos = len(self.seen)
+        self.seen.append(state)
+        order = self.order
+        if order is None:
+            return None
+        if self.on_track and pos < len(order.states) and order.states[pos] is state:
+            return order.targets[pos]
+        self.on_track = False  # off the recorded path: prefetch nothing more this pass
+        return []
+
+    def finish(self, depths: dict[int, int]) -> None:
+        if self.order is None or not self.order.same(self.seen):
+            self.order = ExecutionOrder(self.seen, depths)
+
+
 class FSDPContext:
     """Shared state of one root: the module orders, the phase, reductions in flight."""
 
@@ -93,12 +123,8 @@ class FSDPContext:
         self.pending_reduces: list[ReduceJob] = []
         self.events: deque[str] = deque(maxlen=32)
         self.check = any(s.check for s in states)
-        self.fwd_order: ExecutionOrder | None = None
-        self.bwd_order: ExecutionOrder | None = None
-        self._fwd_seen: list[ModuleState] = []
-        self._bwd_seen: list[ModuleState] = []
-        self._fwd_on_track = True
-        self._bwd_on_track = True
+        self.fwd = Recording()
+        self.bwd = Recording()
         self._in_forward = False
 
     def __repr__(self) -> str:
@@ -115,9 +141,8 @@ class FSDPContext:
                 s.reshard_now()
             if s.group is not None:
                 s.group.detach_autograd()  # a new forward pass: one attachment per module
-        self._fwd_seen = []
+        self.fwd.start()
         self._in_forward = True
-        self._fwd_on_track = True
         tracer = active_trace()
         if tracer is not None:
             tracer.begin("forward", "")
@@ -127,34 +152,17 @@ class FSDPContext:
         from the recorded order (None: no recorded order yet, use the static one)."""
         if not self._in_forward:
             return []  # a sharded child called on its own: record nothing, prefetch nothing
-        pos = len(self._fwd_seen)
-        self._fwd_seen.append(state)
-        order = self.fwd_order
-        if order is None:
-            return None
-        if self._fwd_on_track and pos < len(order.states) and order.states[pos] is state:
-            return order.targets[pos]
-        self._fwd_on_track = False
-        return []
+        return self.fwd.needs(state)
 
     def end_forward(self) -> None:
         self._in_forward = False
-        if self.fwd_order is None or not self.fwd_order.same(self._fwd_seen):
-            self.fwd_order = ExecutionOrder(self._fwd_seen, self._depths())
+        self.fwd.finish(self._depths())
         tracer = active_trace()
         if tracer is not None:
             tracer.end("forward", "")
 
     def backward_needs(self, state: ModuleState) -> list[ModuleState] | None:
-        pos = len(self._bwd_seen)
-        self._bwd_seen.append(state)
-        order = self.bwd_order
-        if order is None:
-            return None
-        if self._bwd_on_track and pos < len(order.states) and order.states[pos] is state:
-            return order.targets[pos]
-        self._bwd_on_track = False
-        return []
+        return self.bwd.needs(state)
 
     def _depths(self) -> dict[int, int]:
         return {id(s): s.prefetch for s in self.states}
@@ -166,8 +174,7 @@ class FSDPContext:
         if self.phase is Phase.BACKWARD:
             return
         self.phase = Phase.BACKWARD
-        self._bwd_seen = []
-        self._bwd_on_track = True
+        self.bwd.start()
         if self.check:
             self.log("context: enter BACKWARD")
         tracer = active_trace()
@@ -203,8 +210,7 @@ class FSDPContext:
             error = check_backward_end(self)
         for s in self.states:
             s.on_backward_end()
-        if self.bwd_order is None or not self.bwd_order.same(self._bwd_seen):
-            self.bwd_order = ExecutionOrder(self._bwd_seen, self._depths())
+        self.bwd.finish(self._depths())
         self.phase = Phase.IDLE
         if self.check:
             self.log("context: leave BACKWARD")
