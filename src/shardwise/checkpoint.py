@@ -31,6 +31,7 @@ Checkpoints are trusted input: DCP metadata and ``extra`` are pickles, like any
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import random
 import shutil
@@ -264,7 +265,7 @@ def save(
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     _on_rank0("preparing the checkpoint folder", lambda: _prepare(path))
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=_partial(path), no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=_partial(path), **_no_dist(dcp.save))
     payload = {
         "format": _FORMAT,
         "world_size": _world(),
@@ -308,7 +309,7 @@ def load(
         state["optim"] = get_optimizer_state_dict(model, optimizer)
         _check_optimizer(path, metadata, state["optim"])
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        dcp.load(state, checkpoint_id=path, **_no_dist(dcp.load))
     set_model_state_dict(model, state["model"] if prefix else state)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -479,7 +480,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             mesh, placements = target.device_mesh, target.placements
             # Cut our rows locally, and copy them: the cut is a view that would
             # keep the whole tensor alive until the end.
-            rows = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+            rows = _cut(full, mesh, placements)
             sharded[key] = DTensor.from_local(
                 rows.clone(),
                 mesh,
@@ -521,3 +522,18 @@ def _check_full(
             problems.append(f"{key!r} (state dict shape {shape}) is not in the model")
     if problems:
         raise ValueError(_mismatch("state dict", problems))
+
+
+def _no_dist(fn: Any) -> dict[str, Any]:
+    """``no_dist=`` where this torch's DCP has it (torch 2.6 detects it by itself)."""
+    if "no_dist" in inspect.signature(fn).parameters:
+        return {"no_dist": not _distributed()}
+    return {}
+
+
+def _cut(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    """This rank's piece of a tensor every rank holds, without communication where torch can."""
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
+        return distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    # torch 2.6: scatters from rank 0; the same values, since every rank holds ``full``
+    return distribute_tensor(full, mesh, placements).to_local()
