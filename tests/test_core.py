@@ -45,14 +45,16 @@ def assert_between_steps(model: nn.Module) -> None:
 
 
 def shard_net(model: Net, cfg: dict) -> None:
+    """Every block, then the root; cfg may set raf, shard_stage, mesh, mp_policy."""
+    kw = {"mesh": cfg.get("mesh"), "mp_policy": cfg.get("mp_policy")}
     raf = cfg.get("raf", True)
     for stage in model.stages:
-        fully_shard(stage.a, reshard_after_forward=raf)
-        fully_shard(stage.b, reshard_after_forward=raf)
+        fully_shard(stage.a, reshard_after_forward=raf, **kw)
+        fully_shard(stage.b, reshard_after_forward=raf, **kw)
         if cfg.get("shard_stage", False):
-            fully_shard(stage)  # a sharded parent with no parameters of its own
-    fully_shard(model.extra, reshard_after_forward=raf)
-    fully_shard(model)
+            fully_shard(stage, **kw)  # a sharded parent with no parameters of its own
+    fully_shard(model.extra, reshard_after_forward=raf, **kw)
+    fully_shard(model, **kw)
 
 
 def make_opt(kind: str, params) -> torch.optim.Optimizer:

@@ -40,19 +40,15 @@ def bf16_cuda_worker(rank: int, world: int) -> None:
     import copy
 
     from models import Net, batches, loss_fn
-    from shardwise import MixedPrecisionPolicy, fully_shard
-    from test_core import assert_between_steps
+    from shardwise import MixedPrecisionPolicy
+    from test_core import assert_between_steps, shard_net
 
     torch.manual_seed(0)
     ref = Net(d=32, ac="none").cuda()
     model = copy.deepcopy(ref)
     model.ac = "non-reentrant"
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for stage in model.stages:
-        fully_shard(stage.a, mp_policy=policy)
-        fully_shard(stage.b, mp_policy=policy)
-    fully_shard(model.extra, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    shard_net(model, {"mp_policy": policy})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     base = None

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import shardwise
 from dist_utils import run_distributed
 from models import Net, batches, loss_fn
-from shardwise import MixedPrecisionPolicy, collectives, fully_shard
+from shardwise import MixedPrecisionPolicy, collectives
 from test_core import assert_between_steps, shard_net
 
 pytestmark = pytest.mark.timeout(240)
@@ -34,11 +34,7 @@ def bf16_worker(rank: int, world: int) -> None:
     ref = Net(d=16)
     model = copy.deepcopy(ref)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for stage in model.stages:
-        fully_shard(stage.a, mp_policy=policy)
-        fully_shard(stage.b, mp_policy=policy)
-    fully_shard(model.extra, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    shard_net(model, {"mp_policy": policy})
     gathers: list[collectives.CollectiveRecord] = []
     reduces: list[collectives.CollectiveRecord] = []
     remove = collectives.add_observer(
@@ -79,11 +75,7 @@ def accumulation_worker(rank: int, world: int, hsdp: bool) -> None:
     ref = Net()
     model = copy.deepcopy(ref)
     mesh = shardwise.hsdp_mesh(2) if hsdp else None
-    for stage in model.stages:
-        fully_shard(stage.a, mesh=mesh)
-        fully_shard(stage.b, mesh=mesh)
-    fully_shard(model.extra, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_net(model, {"mesh": mesh})
     if hsdp:
         assert model.extra.fc1.weight.placements == (Replicate(), Shard(0))
     seen: Counter[str] = Counter()
@@ -156,11 +148,7 @@ def clip_worker(rank: int, world: int, hsdp: bool) -> None:
     ref = Net()
     model = copy.deepcopy(ref)
     mesh = shardwise.hsdp_mesh(2) if hsdp else None
-    for stage in model.stages:
-        fully_shard(stage.a, mesh=mesh)
-        fully_shard(stage.b, mesh=mesh)
-    fully_shard(model.extra, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_net(model, {"mesh": mesh})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step, idx in enumerate(batches(3)):
