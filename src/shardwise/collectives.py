@@ -15,7 +15,6 @@ its own thread and ``wait()`` blocks.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +53,7 @@ def add_observer(fn: Observer) -> Callable[[], None]:
 class Pending:
     """An issued collective. ``wait()`` is idempotent; ``then`` runs after it."""
 
-    __slots__ = ("_work", "_then", "label", "done", "issued_at", "done_at", "on_done")
+    __slots__ = ("_work", "_then", "label", "done", "on_done")
 
     def __init__(
         self, work: Any, then: Callable[[], object] | None = None, label: str = ""
@@ -63,8 +62,6 @@ class Pending:
         self._then = then
         self.label = label
         self.done = False
-        self.issued_at = time.perf_counter()
-        self.done_at: float | None = None
         self.on_done: list[Callable[[Pending], None]] = []
 
     def wait(self) -> None:
@@ -80,7 +77,6 @@ class Pending:
         if self._then is not None:
             self._then()
         self.done = True
-        self.done_at = time.perf_counter()
         for fn in self.on_done:
             fn(self)
 

@@ -261,7 +261,6 @@ class ParamGroup:
         )
         self.communicates = self.world > 1  # gathers go over the wire (else: alias or cast)
         self.orig_dtype = named[0][1].dtype
-        self.mp_policy = mp_policy
         self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
         self.state = GroupState.SHARDED
         self.requires_gradient_sync = True
