@@ -63,6 +63,24 @@ def make_opt(kind: str, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def reference_step(
+    ref: nn.Module, ref_opt: torch.optim.Optimizer, idx: torch.Tensor
+) -> torch.Tensor:
+    """One step of the single-process reference on the whole batch; returns its loss."""
+    loss = loss_fn(ref, idx)
+    loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return loss.detach()
+
+
+def global_mean(loss: torch.Tensor) -> torch.Tensor:
+    """The sharded run's loss over the whole batch: the mean of the ranks' slice losses."""
+    t = loss.detach().float().clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
 def parity_worker(rank: int, world: int, cfg: dict) -> None:
     torch.manual_seed(0)
     device = torch.device(cfg.get("device", "cpu"))
@@ -86,13 +104,8 @@ def parity_worker(rank: int, world: int, cfg: dict) -> None:
             assert model.stages[0].a.norm.weight.grad is None
         opt.step()
         opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
-        ref_loss = loss_fn(ref, idx)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        torch.testing.assert_close(mean / world, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        ref_loss = reference_step(ref, ref_opt, idx)
+        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
     for (name, p), (rname, rp) in zip(model.named_parameters(), ref.named_parameters()):
         assert name == rname
         torch.testing.assert_close(p.full_tensor(), rp.detach(), atol=1e-5, rtol=1e-5, msg=name)
@@ -512,13 +525,8 @@ def kept_gathered_steps_worker(rank: int, world: int) -> None:
             assert model.extra._shardwise_state.group.state is GroupState.UNSHARDED
         opt.step()  # the optimizer holds the sharded parameters: it updates the shards
         opt.zero_grad()
-        ref_loss = loss_fn(ref, idx)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        torch.testing.assert_close(mean / world, ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        ref_loss = reference_step(ref, ref_opt, idx)
+        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
 
 
 def test_kept_gathered_modules_see_optimizer_updates() -> None:

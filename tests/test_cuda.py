@@ -41,7 +41,7 @@ def bf16_cuda_worker(rank: int, world: int) -> None:
 
     from models import Net, batches, loss_fn
     from shardwise import MixedPrecisionPolicy
-    from test_core import assert_between_steps, shard_net
+    from test_core import assert_between_steps, reference_step, shard_net
 
     torch.manual_seed(0)
     ref = Net(d=32, ac="none").cuda()
@@ -59,10 +59,7 @@ def bf16_cuda_worker(rank: int, world: int) -> None:
         assert_between_steps(model)
         opt.step()
         opt.zero_grad()
-        ref_loss = loss_fn(ref, idx)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss = reference_step(ref, ref_opt, idx)
         torch.cuda.synchronize()
         if step == 1:
             base = torch.cuda.memory_allocated()

@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -18,15 +17,18 @@ import shardwise
 from dist_utils import run_distributed
 from models import Net, batches, loss_fn
 from shardwise import MixedPrecisionPolicy, collectives
-from test_core import assert_between_steps, shard_net
+from test_core import assert_between_steps, global_mean, reference_step, shard_net
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def global_mean(loss: torch.Tensor) -> torch.Tensor:
-    t = loss.detach().float().clone()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
+def reference_and_sharded(hsdp: bool) -> tuple[Net, Net]:
+    """The seeded single-process reference and a sharded copy (on a 2x2 HSDP mesh if asked)."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    shard_net(model, {"mesh": shardwise.hsdp_mesh(2) if hsdp else None})
+    return ref, model
 
 
 def bf16_worker(rank: int, world: int) -> None:
@@ -48,11 +50,8 @@ def bf16_worker(rank: int, world: int) -> None:
         assert_between_steps(model)
         opt.step()
         opt.zero_grad()
-        ref_loss = loss_fn(ref, idx)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(global_mean(loss), ref_loss.detach(), atol=3e-2, rtol=3e-2)
+        ref_loss = reference_step(ref, ref_opt, idx)
+        torch.testing.assert_close(global_mean(loss), ref_loss, atol=3e-2, rtol=3e-2)
     remove()
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.to_local().dtype == torch.float32, name
@@ -71,11 +70,7 @@ def test_bf16_params_fp32_reduce_tracks_reference() -> None:
 
 
 def accumulation_worker(rank: int, world: int, hsdp: bool) -> None:
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    mesh = shardwise.hsdp_mesh(2) if hsdp else None
-    shard_net(model, {"mesh": mesh})
+    ref, model = reference_and_sharded(hsdp)
     if hsdp:
         assert model.extra.fc1.weight.placements == (Replicate(), Shard(0))
     seen: Counter[str] = Counter()
@@ -144,11 +139,7 @@ def test_reshard_after_backward_false_keeps_parameters_between_microbatches() ->
 
 
 def clip_worker(rank: int, world: int, hsdp: bool) -> None:
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    mesh = shardwise.hsdp_mesh(2) if hsdp else None
-    shard_net(model, {"mesh": mesh})
+    ref, model = reference_and_sharded(hsdp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step, idx in enumerate(batches(3)):
@@ -217,11 +208,8 @@ def meta_worker(rank: int, world: int) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = loss_fn(ref, idx)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(global_mean(loss), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+        ref_loss = reference_step(ref, ref_opt, idx)
+        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
 
 
 def test_meta_device_init_matches_reference() -> None:
