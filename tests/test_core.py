@@ -325,14 +325,22 @@ def bad_input_worker(rank: int, world: int) -> dict[str, str]:
     expect("prefetch", ValueError, lambda: fully_shard(nn.Linear(2, 2), prefetch=-1))
     expect("policy", TypeError, lambda: fully_shard(nn.Linear(2, 2), mp_policy="bf16"))
 
-    sd = {k: v.detach().clone() for k, v in lin.state_dict().items()}
-    before = lin.weight.to_local().clone()
+    # assign=True is supported (tests/test_semantics.py); a value that does not
+    # fit the parameter is refused before anything changes.
+    sd = {"weight": torch.zeros(3, 2), "bias": torch.zeros(2)}
+    weight, before = lin.weight, lin.weight.to_local().clone()
     expect("assign", ValueError, lambda: lin.load_state_dict(sd, assign=True))
     parent = nn.Sequential(lin)
     psd = {f"0.{k}": v for k, v in sd.items()}
     expect("assign-nested", ValueError, lambda: parent.load_state_dict(psd, assign=True))
-    assert isinstance(lin.weight, DTensor)
+    assert lin.weight is weight
     torch.testing.assert_close(lin.weight.to_local(), before)
+
+    for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
+        expect(type(container).__name__, ValueError, lambda c=container: fully_shard(c))
+        assert not isinstance(container, FSDPModule)
+        assert not any(isinstance(p, DTensor) for p in container.parameters())
+    expect("raf", TypeError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward="yes"))
     return msgs
 
 
@@ -345,7 +353,11 @@ def test_bad_input_gets_one_clear_error_and_changes_nothing() -> None:
     assert "count" in msgs["int"] and "floating-point" in msgs["int"]
     assert "prefetch" in msgs["prefetch"]
     assert "MixedPrecisionPolicy" in msgs["policy"]
-    assert "assign=True" in msgs["assign"] and "assign=True" in msgs["assign-nested"]
+    assert "'weight'" in msgs["assign"] and "(3, 2)" in msgs["assign"]
+    assert "'0.weight'" in msgs["assign-nested"]
+    assert "ModuleList" in msgs["ModuleList"] and "forward" in msgs["ModuleList"]
+    assert "ModuleDict" in msgs["ModuleDict"]
+    assert "reshard_after_forward" in msgs["raf"]
 
 
 def test_fully_shard_without_process_group_says_how_to_fix() -> None:

@@ -61,7 +61,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     mp_policy: Any = None,
     ignored_params: set[nn.Parameter] | None = None,
     prefetch: int = 1,
@@ -81,6 +81,12 @@ def fully_shard(
     DTensors on the 2-D mesh; in forward the TP modules see their usual
     tp-mesh DTensors. docs/design.md says how the placements compose.
 
+    ``reshard_after_forward``: as FSDP2's, ``None`` (the default) reshards
+    after forward every module but the root, whose backward runs first;
+    ``True`` reshards the root too; ``False`` keeps a module gathered until its
+    backward. Forwards without a backward following (no_grad, eval) leave
+    every module sharded, the root included.
+
     ``prefetch`` is how many modules ahead (in forward, then backward order)
     are gathered while this one computes. ``check=True`` (or ``SHARDWISE_CHECK=1``
     when this is called) verifies the lifecycle at every forward entry and
@@ -92,6 +98,16 @@ def fully_shard(
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard needs a module with a forward, got a {type(module).__name__} "
+            "(a container: its hooks would never run); shard the modules inside it, e.g. "
+            "for layer in model.layers: fully_shard(layer), then the module that calls them"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}"
+        )
     mesh = mesh if mesh is not None else default_mesh()
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ValueError(
@@ -122,7 +138,7 @@ def fully_shard(
     # State dicts always see the sharded DTensors, also while a module is kept
     # gathered (reshard_after_forward/backward=False): reshard first.
     module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: state.reshard_now())
-    module._register_load_state_dict_pre_hook(_refuse_assign, with_module=True)
+    module._register_load_state_dict_pre_hook(_before_load, with_module=True)
     cls = type(module)
     if cls not in _subclass_cache:
         _subclass_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
@@ -222,15 +238,21 @@ def check_device(fqn: str, device: torch.device, mesh_device: str) -> None:
     )
 
 
-def _refuse_assign(
+def _before_load(
     module: nn.Module, state_dict: Any, prefix: str, local_metadata: dict, *args: Any
 ) -> None:
-    if local_metadata.get("assign_to_params_buffers", False):
-        from .module import _ASSIGN_MSG
-
-        raise ValueError(_ASSIGN_MSG)
     state: ModuleState = module._shardwise_state  # type: ignore[assignment]
     state.reshard_now()  # load into the shards, not into gathered copies
+    if state.group is None or not local_metadata.get("assign_to_params_buffers", False):
+        return
+    # assign=True would install the loaded tensors as parameters; the group
+    # makes its own sharded parameters from them instead (load_assigned).
+    paths = {id(m): p for p, m in module.named_modules(remove_duplicate=False)}
+    keys = [
+        [prefix + (f"{paths[id(m)]}." if paths[id(m)] else "") + name for m, name in sp.locations]
+        for sp in state.group.params
+    ]
+    state.group.load_assigned(state_dict, keys)
 
 
 @contextlib.contextmanager

@@ -66,7 +66,7 @@ def check_backward_end(ctx: FSDPContext) -> LifecycleError | None:
             return _fail(ctx, s, "was prefetched in backward but its gather was never used")
         used = g.last_used
         if used is not None:
-            states = {sp.sharded.grad is None for sp, u in zip(g.trainable, used) if u}
+            states = {sp.sharded.grad is None for sp, u in zip(g.params, used) if u}
             if len(states) > 1:
                 return _fail(
                     ctx,

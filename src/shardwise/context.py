@@ -222,6 +222,19 @@ class FSDPContext:
             # model is usable again (sharded, IDLE) if the caller carries on.
             raise error
 
+    def reset(self) -> None:
+        """Back to between steps after an exception: nothing gathered, nothing in flight."""
+        if self.phase is Phase.BACKWARD:
+            self.abandon_backward()
+        self.finish_reduces()
+        for s in self.states:
+            s.phase = Phase.IDLE
+            s.backward_done = False
+            s.reshard_now()
+            if s.group is not None:
+                s.group.detach_autograd()
+        self._in_forward = False
+
     def reshard_all(self) -> None:
         for s in self.states:
             s.reshard_now()

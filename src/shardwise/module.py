@@ -11,7 +11,9 @@ The four hooks and what each one does to this module's ``ParamGroup``:
 - pre-backward (a hook on the forward's output tensors): enter the context's
   backward phase, gather, prefetch in backward order.
 - post-backward (``_Unsharded.backward`` in param_group.py): finish the
-  previous module's reduction, start this one's, reshard.
+  previous module's reduction, start this one's, reshard. A module whose
+  parameters are all frozen has no ``_Unsharded`` to tell it; a pass-through
+  function on its inputs (``_AfterInputGrads``) does, once their gradients exist.
 
 docs/design.md draws this as a state machine.
 """
@@ -23,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten
 
+from .containers import map_tensors, tensors_in
 from .context import ALLOWED, FSDPContext, LifecycleError, Phase
 from .param_group import GroupState, ParamGroup
 from .precision import MixedPrecisionPolicy, cast_floats
@@ -38,7 +40,7 @@ class ModuleState:
         self,
         module: nn.Module,
         mesh: DeviceMesh,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy | None,
         prefetch: int,
         label: str,
@@ -48,7 +50,10 @@ class ModuleState:
         self.check = check
         self.mesh = mesh
         self.label = label
-        self.reshard_after_forward = reshard_after_forward
+        # None is FSDP2's default: True, except for the root (its backward comes
+        # first). Resolved when the root is known (_lazy_init).
+        self.reshard_after_forward_setting = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward is not False
         self.reshard_after_backward = True
         self.mp_policy = mp_policy
         self.prefetch = prefetch
@@ -89,6 +94,8 @@ class ModuleState:
         gathering = [s for s in states if s.group is not None]
         for s in states:
             s.context = ctx
+            if s.reshard_after_forward_setting is None:
+                s.reshard_after_forward = s is not self
             # Computed once here: the hooks run for every module, every step.
             later = [t for t in gathering if t.order_index > s.order_index]
             earlier = [t for t in gathering if t.order_index < s.order_index]
@@ -158,6 +165,8 @@ class ModuleState:
             self._gather(targets if targets is not None else self.fwd_default)
         if self.group is not None and torch.is_grad_enabled():
             self.group.attach()
+            if not self.group.attached:
+                args, kwargs = _AfterInputGrads.wrap(self, args, kwargs)
         policy = self.mp_policy
         if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
@@ -168,9 +177,7 @@ class ModuleState:
         assert ctx is not None
         if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.mp_policy.output_dtype)
-        tensors = [
-            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         for t in tensors:
             t.register_hook(self._pre_backward)
         if ctx.phase is Phase.BACKWARD:
@@ -184,9 +191,10 @@ class ModuleState:
         will_backward = bool(tensors) and torch.is_grad_enabled()
         if self is ctx.root:
             if will_backward and module.training:
-                # The root runs backward first: keep it; drop wasted prefetches.
+                # The root runs backward first: by default (reshard_after_forward
+                # None) it is kept; wasted prefetches are dropped.
                 for s in ctx.states:
-                    if s is not self and s.reshard_after_forward:
+                    if s.reshard_after_forward:
                         s.reshard_now()
             else:
                 # No backward follows: nobody may stay gathered, root included.
@@ -217,9 +225,14 @@ class ModuleState:
         targets = self.bwd_targets if self.bwd_targets is not None else needs
         self._set_phase(Phase.BACKWARD)
         self._gather(targets if targets is not None else self.bwd_default)
+        if self.group is not None:
+            # Checkpointing inside this module recomputes its body next, without
+            # our hooks: it must read the forward's autograd-tracked parameters.
+            self.group.reattach()
 
-    def post_backward(self, grads: list[torch.Tensor | None]) -> None:
-        """Called by ``_Unsharded.backward`` once the group's gradients exist."""
+    def post_backward(self, grads: list[torch.Tensor | None] | None) -> None:
+        """The group's gradients exist (``_Unsharded.backward``; one per parameter), or,
+        for a module with every parameter frozen, its inputs' gradients (``grads`` None)."""
         ctx = self.context
         assert ctx is not None and self.group is not None
         ctx.enter_backward()
@@ -230,11 +243,12 @@ class ModuleState:
             # torch's non-reentrant checkpoint stops a recompute early, without
             # post-forward hooks: the recompute span ends here at the latest.
             tracer.end("recompute", self.label)
-        # One reduction in flight at a time bounds the gradient memory held.
-        ctx.finish_reduces()
-        job = self.group.reduce_grads(grads)
-        if job is not None:
-            ctx.pending_reduces.append(job)
+        if grads is not None:
+            # One reduction in flight at a time bounds the gradient memory held.
+            ctx.finish_reduces()
+            job = self.group.reduce_grads(grads)
+            if job is not None:
+                ctx.pending_reduces.append(job)
         if self.reshard_after_backward:
             self.group.reshard()
         self.backward_done = True
@@ -243,10 +257,8 @@ class ModuleState:
     # ---- context callbacks ---------------------------------------------------------------
 
     def on_backward_start(self) -> None:
+        # The forward's attachment stays: recomputations in this backward use it.
         self.backward_done = False
-        if self.group is not None:
-            # A recomputed forward builds a new graph: it needs a new attachment.
-            self.group.detach_autograd()
 
     def on_backward_end(self) -> None:
         if self.group is not None:
@@ -259,6 +271,36 @@ class ModuleState:
     def reshard_now(self) -> None:
         if self.group is not None and self.group.state is not GroupState.SHARDED:
             self.group.reshard()
+
+
+class _AfterInputGrads(torch.autograd.Function):
+    """Pass-through on the inputs of a module whose parameters are all frozen.
+
+    Its backward runs once the gradients of the module's inputs exist, that is,
+    once the module's own backward is over: the post-backward that
+    ``_Unsharded`` gives trainable modules. Without it a frozen module (a LoRA
+    base layer, a frozen backbone) stays gathered until the whole backward ends.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.state.post_backward(None)
+        return (None, *grads)
+
+    @staticmethod
+    def wrap(state: ModuleState, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        needs = {id(t): t for t in tensors_in((args, kwargs)) if t.requires_grad}
+        if not needs:
+            return args, kwargs  # no gradient flows back through here: nothing to signal
+        outs = _AfterInputGrads.apply(state, *needs.values())
+        by_id = dict(zip(needs, outs if isinstance(outs, tuple) else (outs,)))
+        return map_tensors(lambda t: by_id.get(id(t), t), (args, kwargs))
 
 
 def _autograd_running() -> bool:
@@ -282,6 +324,21 @@ class FSDPModule:
     """Mixed into a module's class by ``fully_shard``; torch's FSDPModule methods."""
 
     _shardwise_state: ModuleState
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Constructing the ``FSDP<Name>`` class directly builds a plain ``<Name>``.
+
+        Containers make new instances of their own class: slicing a sharded
+        ``nn.Sequential`` (``model[:2]``) calls ``type(model)(...)``. That new
+        container was never sharded (its children are), so it gets the
+        original class. Without arguments (copy, pickle) the class is kept.
+        """
+        if not args and not kwargs:
+            return super().__new__(cls)
+        orig = cls.__mro__[2]  # FSDP<Name>, FSDPModule, <Name>
+        obj = orig.__new__(orig, *args, **kwargs)
+        obj.__init__(*args, **kwargs)
+        return obj
 
     @property
     def phase(self) -> Phase:
@@ -322,8 +379,12 @@ class FSDPModule:
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
     ) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
+            )
         for s in self._sharded_states(recurse):
-            s.reshard_after_forward = reshard_after_forward
+            s.reshard_after_forward = s.reshard_after_forward_setting = reshard_after_forward
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -344,17 +405,16 @@ class FSDPModule:
             if s.group is not None:
                 s.group.requires_gradient_sync = requires_gradient_sync
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        if assign:
-            raise ValueError(_ASSIGN_MSG)
-        return super().load_state_dict(state_dict, strict=strict)  # type: ignore[misc]
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward (FSDP2's name).
 
-
-_ASSIGN_MSG = (
-    "load_state_dict(assign=True) would replace the sharded DTensor parameters of a module "
-    "sharded by shardwise.fully_shard and break its sharding; call load_state_dict(sd) "
-    "without assign (it copies in place), or load before calling fully_shard"
-)
+        Finishes reductions in flight, reshards every module and returns all
+        of them to ``IDLE``, so the parameters are the sharded leaves again
+        (an optimizer can be built on them) before the next forward.
+        """
+        ctx = self._shardwise_state.context
+        if ctx is not None:
+            ctx.reset()
 
 
 def _state_of(m: Any, what: str) -> ModuleState:

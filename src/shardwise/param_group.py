@@ -23,6 +23,18 @@ backward exactly once per backward pass, after every used trainable
 parameter's gradient exists (unused ones arrive as None), whether or not the
 module's inputs required grad. That backward is the post-backward hook; it
 returns no gradients itself: reduced shards are put on ``.grad`` by us.
+Which parameters are trainable is read from the sharded parameters'
+``requires_grad`` at every attachment, so freezing or unfreezing after
+``fully_shard`` takes effect at the next forward.
+
+Why the attachment outlives the forward: activation checkpointing *inside* a
+sharded module (transformers' layers, ``checkpoint_wrapper``) recomputes the
+module's body in backward without running its hooks, reading whatever tensors
+are installed in the module then. The pre-backward re-installs the forward's
+``_Unsharded`` outputs (their storage refilled by its gather), so the
+recomputation computes with the same autograd-tracked tensors as the forward:
+a non-reentrant checkpoint finds the same saved tensors, and a reentrant one's
+inner backward reaches ``_Unsharded.backward``, the post-backward.
 
 Tensor parallel parameters (DTensors on a ``tp`` mesh, from torch's
 ``parallelize_module``) are sharded like any other, but what this group
@@ -192,12 +204,13 @@ class ShardedParam:
     fqn: str
     locations: list[tuple[nn.Module, str]]
     shape: torch.Size  # of what is sharded: the parameter, or its TP-local piece
-    requires_grad: bool
+    requires_grad: bool  # at fully_shard; afterwards the sharded parameter's flag rules
     chunk_rows: int  # rows per rank, like torch.chunk: ceil(rows / world)
     row_numel: int
     offset: int  # start of this parameter's slot in the per-rank flat shard
     local_rows: int
     tp: TPLayout | None = None
+    index: int = 0  # position in its group
     sharded: nn.Parameter = field(init=False)
     unsharded: torch.Tensor = field(init=False)
     plain: torch.Tensor = field(init=False)  # installed while gathered: unsharded, or its DTensor
@@ -225,15 +238,21 @@ class _Unsharded(torch.autograd.Function):
     """Hands out the unsharded parameters; its backward is the post-backward."""
 
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.group = group
+    def forward(  # type: ignore[override]
+        ctx: Any, group: ParamGroup, trainable: list[ShardedParam], *sharded: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.trainable = group, trainable
         ctx.set_materialize_grads(False)
-        return tuple(p.unsharded.detach() for p in group.trainable)
+        return tuple(p.unsharded.detach() for p in trainable)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
-        ctx.group.owner.post_backward(list(grads))
-        return (None,) * (1 + len(grads))
+        group: ParamGroup = ctx.group
+        full: list[torch.Tensor | None] = [None] * len(group.params)
+        for sp, g in zip(ctx.trainable, grads):
+            full[sp.index] = g
+        group.owner.post_backward(full)
+        return (None,) * (2 + len(grads))
 
 
 class ParamGroup:
@@ -265,11 +284,13 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.requires_gradient_sync = True
         self.prefetched = False  # gathered by another module's prefetch, not yet used
-        self.last_used: list[bool] | None = None  # which trainables got gradients last time
+        self.last_used: list[bool] | None = None  # which parameters got gradients last time
         self._pending: collectives.Pending | None = None
         self._gather_out: torch.Tensor | None = None
         self._gather_in: torch.Tensor | None = None
+        # The current forward's _Unsharded outputs, and the parameters they stand for.
         self._attached: tuple[torch.Tensor, ...] | None = None
+        self._attached_params: list[ShardedParam] = []
         self._accum: list[torch.Tensor | None] | None = None
 
         layouts = list(tp) if tp is not None else [None] * len(named)
@@ -292,10 +313,10 @@ class ParamGroup:
                 local_rows,
                 layout,
             )
+            sp.index = len(self.params)
             self.params.append(sp)
             offset += sp.slot
         self.shard_numel = offset
-        self.trainable = [sp for sp in self.params if sp.requires_grad]
         self._shard(named)
 
     # ---- construction -------------------------------------------------------------------
@@ -314,14 +335,27 @@ class ParamGroup:
         tensor the same way. Padding stays zero so gathered padding is too.
         """
         device = self._device_for(named[0][1].device)
+        rows: list[torch.Tensor | None] = []
+        for sp, (_, p, _) in zip(self.params, named):
+            src = local_of(p) if sp.tp is not None else p
+            rows.append(None if device.type == "meta" else self._my_rows(sp, src.detach()))
+        self._build(device, rows, [sp.requires_grad for sp in self.params])
+
+    def _my_rows(self, sp: ShardedParam, full: torch.Tensor) -> torch.Tensor:
+        start = self.rank * sp.chunk_rows
+        return full[start : start + sp.local_rows]
+
+    def _build(
+        self, device: torch.device, rows: list[torch.Tensor | None], requires_grad: list[bool]
+    ) -> None:
+        """A new flat shard on ``device`` holding ``rows[i]`` for parameter i (None: zeros),
+        and new sharded ``nn.Parameter``s viewing it, installed in the modules."""
         self.flat = torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=device)
         self._locals: list[torch.Tensor] = []
-        for sp, (_, p, _) in zip(self.params, named):
+        for sp, r, grad in zip(self.params, rows, requires_grad):
             view = self._flat_view(sp)
-            src = local_of(p) if sp.tp is not None else p
-            if device.type != "meta" and sp.local_rows:
-                start = self.rank * sp.chunk_rows
-                view.copy_(src.detach()[start : start + sp.local_rows])
+            if r is not None and sp.local_rows:
+                view.copy_(r)
             if sp.tp is None:
                 mesh, placements, shape = self.mesh, self.placements, sp.shape
             else:
@@ -334,10 +368,64 @@ class ParamGroup:
                 shape=shape,
                 stride=_contiguous_stride(shape),
             )
-            sp.sharded = nn.Parameter(dt, requires_grad=sp.requires_grad)
+            sp.sharded = nn.Parameter(dt, requires_grad=grad)
             self._locals.append(local_of(sp.sharded))
             sp.install(sp.sharded)
         self._make_unsharded_views(device)
+
+    def load_assigned(self, state_dict: dict[str, Any], keys: list[list[str]]) -> None:
+        """``load_state_dict(sd, assign=True)``: the loaded values become the shards.
+
+        This is how a model sharded on the meta device receives its weights
+        (DCP's ``set_model_state_dict(..., broadcast_from_rank0=True)`` loads
+        with assign). The values may be DTensors laid out like our shards or
+        full tensors (this rank keeps its rows); everything is checked before
+        anything changes. A new flat shard is built on the values' device,
+        and the state dict's entries are replaced by the new sharded
+        parameters so that ``nn.Module``'s own assignment installs exactly
+        them. ``keys[i]``: every state-dict key of parameter i (tied weights
+        have several).
+        """
+        rows: list[torch.Tensor | None] = []
+        for sp, ks in zip(self.params, keys):
+            key = next((k for k in ks if k in state_dict), None)
+            rows.append(None if key is None else self._rows_of(sp, key, state_dict[key]))
+        loaded = [r for r in rows if r is not None]
+        if not loaded:
+            return
+        device = self._device_for(loaded[0].device)
+        if not self.flat.is_meta:  # parameters the state dict lacks keep their values
+            rows = [self._flat_view(sp) if r is None else r for sp, r in zip(self.params, rows)]
+        self._build(device, rows, [sp.sharded.requires_grad for sp in self.params])
+        self.state = GroupState.SHARDED
+        for sp, ks in zip(self.params, keys):
+            for k in ks:
+                if k in state_dict:
+                    state_dict[k] = sp.sharded
+
+    def _rows_of(self, sp: ShardedParam, key: str, value: Any) -> torch.Tensor:
+        """This rank's rows of parameter ``sp`` from a loaded ``value``; ValueError if it does not fit."""
+        mine: Any = sp.sharded  # a DTensor parameter
+        if isinstance(value, DTensor):
+            if (
+                value.device_mesh == mine.device_mesh
+                and tuple(value.placements) == tuple(mine.placements)
+                and value.shape == mine.shape
+                and local_of(value).shape == sp.local_shape
+            ):
+                return local_of(value).detach()
+        elif isinstance(value, torch.Tensor) and sp.tp is None and value.shape == sp.shape:
+            return self._my_rows(sp, value.detach())
+        what = (
+            f"a DTensor {tuple(value.shape)} with placements {tuple(value.placements)}"
+            if isinstance(value, DTensor)
+            else f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))}"
+        )
+        raise ValueError(
+            f"load_state_dict(assign=True): {key!r} is {what}, but the sharded parameter is "
+            f"{tuple(mine.shape)} with placements {tuple(mine.placements)}; pass the full "
+            "tensor or a DTensor laid out like model.state_dict()'s"
+        )
 
     def _flat_view(self, sp: ShardedParam) -> torch.Tensor:
         return self.flat[sp.offset : sp.offset + sp.local_numel].view(sp.local_shape)
@@ -455,28 +543,43 @@ class ParamGroup:
         for sp in self.params:
             sp.install(sp.plain)
 
+    @property
+    def trainable(self) -> list[ShardedParam]:
+        """The parameters that require grad now (users may freeze after fully_shard)."""
+        return [sp for sp in self.params if sp.sharded.requires_grad]
+
     def attach(self) -> None:
         """Install unsharded parameters that autograd tracks back to this group.
 
         Done at most once per forward pass (a module called twice reuses it),
         so one backward runs one post-backward for the group.
         """
-        if not self.trainable:
-            return
         if self._attached is None:
-            out = _Unsharded.apply(self, *(sp.sharded for sp in self.trainable))
+            trainable = self.trainable
+            if not trainable:
+                return
+            out = _Unsharded.apply(self, trainable, *(sp.sharded for sp in trainable))
             out = out if isinstance(out, tuple) else (out,)
             if self.has_tp:
-                out = tuple(
-                    t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(self.trainable, out)
-                )
-            self._attached = out
-        for sp, t in zip(self.trainable, self._attached):
-            sp.install(t)
+                out = tuple(t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(trainable, out))
+            self._attached, self._attached_params = out, trainable
+        self.reattach()
+
+    def reattach(self) -> None:
+        """Install this forward's attachment again, if it made one (see the module docstring)."""
+        if self._attached is not None:
+            for sp, t in zip(self._attached_params, self._attached):
+                sp.install(t)
+
+    @property
+    def attached(self) -> bool:
+        """Whether this forward handed out autograd-tracked parameters (some are trainable)."""
+        return self._attached is not None
 
     def detach_autograd(self) -> None:
-        """Forget the forward pass's attachment (a new graph needs a new one)."""
+        """Forget the forward pass's attachment (a new forward needs a new one)."""
         self._attached = None
+        self._attached_params = []
 
     def reshard(self) -> None:
         if self.state is GroupState.GATHERING:
@@ -510,7 +613,8 @@ class ParamGroup:
     def reduce_grads(self, grads: list[torch.Tensor | None]) -> ReduceJob | None:
         """Start averaging the unsharded gradients; returns the job to finish later.
 
-        With gradient sync off, gradients are summed locally instead and the
+        ``grads`` has one entry per parameter of the group, ``None`` for those
+        without a gradient (frozen, unused). With gradient sync off, gradients are summed locally instead and the
         first synced backward reduces that sum once.
         """
         grads = [None if g is None else g.to(self.reduce_dtype) for g in grads]
@@ -538,7 +642,7 @@ class ParamGroup:
         return ReduceJob(self, grads, used)
 
     def assign_grads(self, shards: list[Any], used: list[bool]) -> None:
-        for sp, g, u in zip(self.trainable, shards, used):
+        for sp, g, u in zip(self.params, shards, used):
             if not u:
                 continue
             if g.dtype != self.orig_dtype:
@@ -567,13 +671,10 @@ class ReduceJob:
         device = g.flat.device
         # Every parameter owns a slot in the flat layout; frozen and unused ones
         # contribute zeros.
-        by_param = {id(sp): t for sp, t in zip(g.trainable, grads)}
-        filled: list[torch.Tensor] = []
-        for sp in g.params:
-            t = by_param.get(id(sp))
-            filled.append(
-                t if t is not None else torch.zeros(sp.shape, dtype=g.reduce_dtype, device=device)
-            )
+        filled = [
+            t if t is not None else torch.zeros(sp.shape, dtype=g.reduce_dtype, device=device)
+            for sp, t in zip(g.params, grads)
+        ]
         self.out = torch.empty(g.shard_numel, dtype=g.reduce_dtype, device=device)
         if g.world == 1:
             torch._chunk_cat(filled, dim=0, num_chunks=1, out=self.out.view(1, -1))
@@ -597,7 +698,7 @@ class ReduceJob:
                 collectives.all_reduce_mean(self.out, g.replicate_group, g.label).wait()
             self.shards = [
                 self.out[sp.offset : sp.offset + sp.local_numel].view(sp.local_shape)
-                for sp in g.trainable
+                for sp in g.params
             ]
         g.assign_grads(self.shards, self.used)
 

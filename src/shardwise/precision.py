@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+
+from .containers import map_tensors
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def resolve_dtypes(
 
 
 def cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
-    """Cast every floating-point tensor in a nested structure to ``dtype``."""
+    """Cast every floating-point tensor in a nested structure (containers.py) to ``dtype``."""
     if dtype is None:
         return tree
 
@@ -58,4 +59,4 @@ def cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
             return x.to(dtype)
         return x
 
-    return tree_map(cast, tree)
+    return map_tensors(cast, tree)
