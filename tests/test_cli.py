@@ -3,13 +3,14 @@
 Every training run here uses 2 CPU processes (gloo) and a shrunken batch so
 the whole file stays within a few minutes on a 2-core machine. One reference
 run (the module fixture) serves the file checks, the resume comparison, the
-wrong-model-size check and ``sample``.
+wrong-model-size check, ``sample`` and the damaged-checkpoint tests. What
+users do to a running job (signals, kill -9, a full disk, two writers) is in
+test_cli_failures.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,42 +19,17 @@ from pathlib import Path
 
 import pytest
 
-# Small and quick, but still a real run: 2 ranks, validation, a checkpoint.
-FAST = ["--steps", "24", "--batch-size", "8", "--seq-len", "64", "--eval-every", "8"]
+from cli_helpers import FAST, checkpoints, env, rows, shardwise
 
-
-def shardwise(*args: str, cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise", *args],
-        cwd=cwd,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # Never let an outer launcher's variables make the CLI think it is a worker.
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDWISE_LAUNCH_ID"):
-        env.pop(k, None)
-    return env
-
-
-def rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def checkpoints(run: Path) -> list[str]:
-    return sorted(p.name for p in (run / "checkpoints").iterdir())
+_env = env
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted run; several tests read it, none writes to it."""
     cwd = tmp_path_factory.mktemp("reference")
-    r = shardwise("train", *FAST, "--nproc", "2", "--out", "run", cwd=cwd)
+    # Three checkpoints: the damaged-checkpoint tests fall back from one to the next.
+    r = shardwise("train", *FAST, "--nproc", "2", "--save-every", "8", "--out", "run", cwd=cwd)
     assert r.returncode == 0, r.stdout + r.stderr
     return cwd / "run"
 
@@ -78,7 +54,7 @@ def test_train_writes_the_run_folder_and_learns(reference: Path) -> None:
     assert last < first - 1.0, f"loss did not decrease: {first:.3f} -> {last:.3f}"
     vals = [r["val_loss"] for r in metrics if "val_loss" in r]
     assert vals[-1] < vals[0]
-    assert checkpoints(reference) == ["step_000024"]
+    assert checkpoints(reference) == ["step_000008", "step_000016", "step_000024"]
     assert (reference / "checkpoints" / "step_000024" / ".metadata").is_file()
     summary = json.loads((reference / "summary.json").read_text())
     assert summary["steps_done"] == 24 and not summary["stopped_early"]
@@ -114,40 +90,6 @@ def test_interrupt_saves_and_resume_repeats_the_losses(reference: Path, tmp_path
     assert [r["step"] for r in resumed] == list(range(1, 25))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in expected]
     assert [r.get("val_loss") for r in resumed] == [r.get("val_loss") for r in expected]
-
-
-@pytest.mark.timeout(120)
-def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "shardwise",
-        "train",
-        "--steps",
-        "500",
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "32",
-        "--nproc",
-        "2",
-        "--out",
-        "run",
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 0, out
-    step = json.loads((tmp_path / "run" / "summary.json").read_text())["steps_done"]
-    assert 1 <= step < 500 and len(rows(tmp_path / "run")) == step
-    assert checkpoints(tmp_path / "run") == [f"step_{step:06d}"]
-    assert (tmp_path / "run" / "loss.png").is_file()
 
 
 @pytest.mark.timeout(120)
@@ -330,3 +272,51 @@ def test_default_corpus_and_model_sizes() -> None:
         assert 0.9e9 <= num_params(GPT(SIZES["medium"])) <= 1.1e9
     model = GPT(SIZES["tiny"])  # unsharded, no process group
     assert model(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
+
+
+# ---- damaged checkpoints: verified before anything changes (issue 15, item 5) ---------------
+
+
+def _copy_run(reference: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    return run
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def _truncate_a_shard(ckpt: Path) -> Path:
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_checkpoint_named_by_the_user_is_refused(reference: Path, tmp_path: Path):
+    run = _copy_run(reference, tmp_path)
+    shard = _truncate_a_shard(run / "checkpoints" / "step_000024")
+    (run / "checkpoints" / "step_000016" / ".metadata").write_bytes(b"junk, not a pickle")
+    before = _snapshot(run)
+    line = _bad(["train", "--resume", str(run / "checkpoints" / "step_000024")], tmp_path)
+    assert f"{shard.name} is truncated" in line and "the checkpoint is damaged" in line
+    line = _bad(["sample", "--ckpt", str(run / "checkpoints" / "step_000016")], tmp_path)
+    assert "step_000016/.metadata is unreadable" in line
+    assert _snapshot(run) == before  # config.json and metrics.jsonl untouched
+
+
+@pytest.mark.timeout(150)
+def test_resume_falls_back_past_a_damaged_checkpoint(reference: Path, tmp_path: Path) -> None:
+    """A truncated latest shard: say so, resume from the one before, same losses as ever."""
+    run = _copy_run(reference, tmp_path)
+    shard = _truncate_a_shard(run / "checkpoints" / "step_000024")
+    r = shardwise("train", "--resume", "run", "--nproc", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    warning = r.stderr.strip()
+    assert f"{shard.name} is truncated" in warning and "using step_000016 instead" in warning
+    assert len(warning.splitlines()) == 1 and "Traceback" not in r.stderr
+    assert "resumed at step 16" in r.stdout
+    assert [row["loss"] for row in rows(run)] == [row["loss"] for row in rows(reference)]

@@ -247,52 +247,73 @@ def model_flops_per_token(n_params: int, job: Job) -> float:
     return 6 * n_params + 6 * cfg.n_layer * cfg.d_model * job.seq_len
 
 
-def main(argv: list[str] | None = None) -> int:
+DESCRIPTION = """\
+Measure the bare model, torch's FSDP2 and shardwise side by side on the same
+GPT, data and settings: one fresh process group per (configuration, round),
+rounds alternated so that machine drift hits all alike.
+
+examples:
+  shardwise bench --model tiny --nproc 2                     # CPU, gloo
+  shardwise bench --model medium --nproc 1 --mp bf16 --ac none,non-reentrant
+"""
+
+
+class BenchUsageError(Exception):
+    """Bad input: one line on stderr, exit code 2, before anything runs or is written."""
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardwise bench",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="tiny")
+    p.add_argument(
+        "--model", default="tiny", help="model size: tiny, small, medium (default: tiny)"
+    )
     p.add_argument(
         "--nproc", type=int, default=None, help="ranks (default: 1 on a GPU, else 2 CPU processes)"
     )
-    p.add_argument("--ac", default="none", help="comma list of activation checkpointing modes")
-    p.add_argument("--mp", default="none", help="comma list: none, bf16")
-    p.add_argument("--batch-size", type=int, default=None, help="per rank")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="A B C rounds, alternated")
-    p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available"
     )
-    p.add_argument("--json", default="bench.json", help="where to write the results")
-    p.add_argument("--plot", default=None, help="also draw a bar chart PNG here")
+    p.add_argument(
+        "--ac", default="none", help="comma list of activation checkpointing modes (default: none)"
+    )
+    p.add_argument("--mp", default="none", help="comma list of: none, bf16 (default: none)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="per rank (default: 4 on a GPU, 8 on CPU)"
+    )
+    p.add_argument("--seq-len", type=int, default=None, help="(default: the model's)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per job (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    p.add_argument("--rounds", type=int, default=2, help="A B C rounds, alternated (default: 2)")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma list of: bare, fsdp2, shardwise (default: all; bare only at --nproc 1)",
+    )
+    p.add_argument(
+        "--json", default="bench.json", help="where to write the results (default: bench.json)"
+    )
+    p.add_argument("--plot", default=None, help="also draw a bar chart PNG here (default: none)")
     p.add_argument(
         "--overhead",
         action="store_true",
         help="also measure hook CPU overhead per module (1 CPU rank, tiny layers)",
     )
-    args = p.parse_args(argv)
+    return p
 
-    from .models.gpt import CHECKPOINTING, SIZES
 
-    if args.model not in SIZES:
-        print(
-            f"shardwise bench: unknown --model {args.model!r}; choose from {sorted(SIZES)}",
-            file=sys.stderr,
-        )
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cuda, nproc, configs, acs, mps = _check(args)
+    except BenchUsageError as e:
+        print(f"shardwise bench: error: {e}", file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
-    nproc = args.nproc or (1 if cuda else 2)
-    acs, mps = args.ac.split(","), args.mp.split(",")
-    bad = [a for a in acs if a not in CHECKPOINTING] + [m for m in mps if m not in ("none", "bf16")]
-    if bad:
-        print(f"shardwise bench: unknown --ac/--mp value(s) {bad}", file=sys.stderr)
-        return 2
-    configs = [c for c in args.configs.split(",") if c != "bare" or nproc == 1]
+    from .models.gpt import SIZES
+
     cfg = SIZES[args.model]
     seq = args.seq_len or cfg.seq_len
     batch = args.batch_size or (4 if cuda else 8)
@@ -341,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "rounds": args.rounds,
     }
-    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    try:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    except OSError as e:  # checked at the start; the table above keeps the results
+        print(f"shardwise bench: error: cannot write {args.json} ({e.strerror})", file=sys.stderr)
+        return 1
     if args.overhead:
         overhead = hook_overhead_us()
         print(
@@ -354,6 +379,71 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(rows, args.plot)
     return 0
+
+
+def _check(args: argparse.Namespace) -> tuple[bool, int, list[str], list[str], list[str]]:
+    """Every flag, before any process starts or any file is written."""
+    from .models.gpt import CHECKPOINTING, SIZES
+
+    if args.model not in SIZES:
+        raise BenchUsageError(f"unknown --model {args.model!r}; choose from {sorted(SIZES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise BenchUsageError("--device cuda: no CUDA GPU is available here; use --device cpu")
+    cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
+    nproc = (1 if cuda else 2) if args.nproc is None else args.nproc
+    limit = torch.cuda.device_count() if cuda else 4 * (os.cpu_count() or 1)
+    if not 1 <= nproc <= limit:
+        where = "GPUs" if cuda else "(4 per CPU core)"
+        raise BenchUsageError(f"--nproc must be from 1 to {limit} {where}, got {nproc}")
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--rounds", args.rounds, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--seq-len", args.seq_len, 1),
+    ):
+        if value is not None and value < least:
+            raise BenchUsageError(f"{flag} must be at least {least}, got {value}")
+    acs = _choices("--ac", args.ac, CHECKPOINTING)
+    mps = _choices("--mp", args.mp, ("none", "bf16"))
+    if args.configs is None:
+        configs = [c for c in CONFIGS if c != "bare" or nproc == 1]
+    else:
+        configs = _choices("--configs", args.configs, CONFIGS)
+        if "bare" in configs and nproc != 1:
+            raise BenchUsageError(
+                f"--configs bare: the bare model runs only at --nproc 1, not {nproc}"
+            )
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            _check_writable(flag, Path(path))
+    return cuda, nproc, configs, acs, mps
+
+
+def _choices(flag: str, value: str, allowed: Any) -> list[str]:
+    items = value.split(",")
+    for item in items:
+        if item not in allowed:  # exact: a miscased name must not run as something else
+            raise BenchUsageError(
+                f"unknown {flag} value {item!r}; choose from {', '.join(allowed)}"
+            )
+    if len(set(items)) != len(items):
+        raise BenchUsageError(f"{flag} {value}: a value is listed twice")
+    return items
+
+
+def _check_writable(flag: str, path: Path) -> None:
+    """Try it: a results file that cannot be written would be found out only at the end."""
+    if path.is_dir():
+        raise BenchUsageError(f"{flag} {path}: is a folder")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise BenchUsageError(f"{flag} {path}: cannot write it ({e.strerror})") from None
+    if not existed:
+        path.unlink()  # bad input or not, nothing is left behind before the run
 
 
 def _add_ratios(rows: list[dict[str, Any]], ac: str, mp: str) -> None:

@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .module import FSDPModule
 
-__all__ = ["full_state_dict", "load", "load_full_state_dict", "save"]
+__all__ = ["DamagedCheckpoint", "full_state_dict", "load", "load_full_state_dict", "save", "verify"]
 
 EXTRA_FILE = "shardwise_extra.pt"
 _FORMAT = 1
@@ -264,15 +264,23 @@ def save(
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     _on_rank0("preparing the checkpoint folder", lambda: _prepare(path))
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=_partial(path), **_no_dist(dcp.save))
-    payload = {
-        "format": _FORMAT,
-        "world_size": _world(),
-        "extra": extra,
-        "rng": _gather_rng_states(),
-    }
-    _on_rank0("committing the checkpoint", lambda: _commit(path, payload))
+    try:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=_partial(path), **_no_dist(dcp.save))
+        payload = {
+            "format": _FORMAT,
+            "world_size": _world(),
+            "extra": extra,
+            "rng": _gather_rng_states(),
+        }
+        _on_rank0("committing the checkpoint", lambda: _commit(path, payload))
+    except BaseException:
+        # A half-written folder is of no use, and on a full disk it holds the
+        # very space a retry or a resume needs. The complete checkpoint at
+        # ``path`` (or ``<path>.previous``) is never touched here.
+        if _rank() == 0:
+            shutil.rmtree(_partial(path), ignore_errors=True)
+        raise
 
 
 def load(
@@ -321,6 +329,46 @@ def load(
     if restore_rng and rng:
         _set_rng_state(rng[_rank() % len(rng)])
     return payload.get("extra")
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint folder some file of which cannot be read back; the message names it."""
+
+
+def verify(path: str | os.PathLike[str]) -> None:
+    """Check that every file a checkpoint needs is present and whole, loading no tensor.
+
+    Catches what a crash, a full disk or a bad copy leaves behind: unreadable
+    metadata, a missing or truncated shard file, an unreadable ``extra``. Only
+    the small metadata and ``extra`` files are read; shard files are only
+    measured against the offsets the metadata records. Corrupt bytes inside a
+    shard of the right length go unnoticed (DCP keeps no checksums). Raises
+    ``DamagedCheckpoint``.
+    """
+    path = Path(path)
+    try:
+        storage = dict(dcp.FileSystemReader(str(path)).read_metadata().storage_data)
+    except Exception as e:  # noqa: BLE001 - junk unpickles into any error type
+        raise DamagedCheckpoint(
+            f"{path / '.metadata'} is unreadable ({type(e).__name__})"
+        ) from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        try:
+            have = (path / name).stat().st_size
+        except OSError:
+            raise DamagedCheckpoint(f"{path / name} is missing") from None
+        if have < size:
+            raise DamagedCheckpoint(f"{path / name} is truncated ({have} of {size} bytes)")
+    extra = path / EXTRA_FILE
+    if extra.exists():
+        try:
+            torch.load(extra, weights_only=False)
+        except Exception as e:  # noqa: BLE001
+            raise DamagedCheckpoint(f"{extra} is unreadable ({type(e).__name__})") from None
 
 
 def _layout(metadata: Mapping[str, Any], model_sd: Mapping[str, Any]) -> str:

@@ -93,6 +93,14 @@ def check_data_path(path: str | None) -> None:
         raise DataError(f"--data {path}: no such file or folder")
     if not (p.is_file() or p.is_dir()):
         raise DataError(f"--data {path}: not a regular file or a folder")
+    # The same test a folder applies to each of its files, so a binary file
+    # given by name is not read as text either.
+    try:
+        binary = p.is_file() and _looks_binary(p)
+    except OSError as e:
+        raise DataError(f"--data {path}: cannot read it ({e.strerror})") from None
+    if binary:
+        raise DataError(f"--data {path}: looks binary (it holds NUL bytes); give a text file")
 
 
 def load_corpus(

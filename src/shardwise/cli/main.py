@@ -9,15 +9,12 @@ checkpoint from a run folder.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
-import re
 import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 COMMANDS = {
@@ -166,13 +163,16 @@ def launch(
     scans them too, and would take a bare ``--nproc`` or ``--st`` for an
     abbreviation of one of its options.
 
-    On Ctrl-C or SIGTERM the launcher passes the signal on to every worker and
+    On Ctrl-C, SIGTERM or SIGHUP the launcher passes the signal on to every worker and
     waits for them; ``on_signal(launch_id, signum)`` then decides the exit code from
     what the workers left behind.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from . import worker as worker_entry
+    from .failures import launcher_message
 
     launch_id = uuid.uuid4().hex
     os.environ[LAUNCH_ID_ENV] = launch_id
@@ -181,10 +181,11 @@ def launch(
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // where.nproc)))
     # A worker stopping on a signal saves a checkpoint first: give it time.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
-    # The agent narrates every start and signal; our workers say what matters.
+    # The agent narrates every start, signal and failure; our workers and
+    # launcher_message() say what matters, in one line.
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     flags = [
         "--nproc-per-node",
         str(where.nproc),
@@ -204,17 +205,16 @@ def launch(
         ]
     try:
         worker_argv = [f"--{k.replace('_', '-')}={v}" for k, v in worker_args.items()]
-        torchrun.run(torchrun.parse_args([*flags, "--module", "shardwise", command, *worker_argv]))
+        # The entry script, not ``--module shardwise``: see cli/worker.py.
+        torchrun.run(torchrun.parse_args([*flags, worker_entry.__file__, command, *worker_argv]))
     except SignalException as e:
         return on_signal(launch_id, int(e.sigval))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        print(
-            f"shardwise {command}: worker rank {rank} failed with exit code "
-            f"{failure.exitcode}; its error is above",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE if failure.exitcode == EXIT_USAGE else 1
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        message = launcher_message(command, codes)
+        if message:
+            print(message, file=sys.stderr)
+        return EXIT_USAGE if EXIT_USAGE in codes.values() else 1
     return 0
 
 
@@ -238,6 +238,8 @@ def init_worker() -> Worker:
     import torch
     import torch.distributed as dist
 
+    from .signals import joined
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -249,6 +251,7 @@ def init_worker() -> Worker:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    joined()
     return Worker(rank, world, local_rank, device)
 
 
@@ -269,46 +272,6 @@ def from_rank0(fn: Callable[[], Any]) -> Any:
         # Only rank 0 says it; the others exit with the same code, quietly.
         raise UsageError(value) if dist.get_rank() == 0 else SystemExit(EXIT_USAGE)
     return value
-
-
-# ---- checkpoints ----------------------------------------------------------------------------
-
-
-def is_checkpoint(path: Path) -> bool:
-    """A complete DCP checkpoint folder (DCP writes ``.metadata`` last)."""
-    return (path / ".metadata").is_file()
-
-
-def find_checkpoint(path: str, flag: str) -> tuple[Path, dict[str, Any]]:
-    """A run folder (its latest checkpoint) or a checkpoint folder, and the run's config.
-
-    Run folders hold ``config.json`` and ``checkpoints/step_NNNNNN``.
-    """
-    p = Path(path)
-    if not p.is_dir():
-        raise UsageError(f"{flag} {path}: no such folder")
-    if is_checkpoint(p):
-        ckpt, run = p, p.parent.parent
-    else:
-        steps = [
-            c
-            for c in (p / "checkpoints").glob("step_*")
-            if re.fullmatch(r"step_\d+", c.name) and is_checkpoint(c)
-        ]
-        if not steps:
-            raise UsageError(
-                f"{flag} {path}: not a checkpoint (no .metadata) nor a run folder "
-                "with a complete checkpoints/step_* inside"
-            )
-        ckpt, run = max(steps, key=lambda c: c.name), p
-    try:
-        config = json.loads((run / "config.json").read_text())
-    except (OSError, ValueError):
-        raise UsageError(
-            f"{flag} {path}: cannot read the run's config.json (looked in "
-            f"{run}); a checkpoint must stay inside its run folder"
-        ) from None
-    return ckpt, config
 
 
 if __name__ == "__main__":

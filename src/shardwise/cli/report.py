@@ -88,6 +88,12 @@ class Reporter:
         tracer.plot(str(self.out / "timeline.png"))
         self.traced = {"step": step, **tracer.summary()}
 
+    def abort(self) -> None:
+        """A failed run: stop the live bar and close the metrics; the rows so far stay."""
+        if self.live:
+            self.progress.stop()
+        self.metrics.close()
+
     def finish(self, step: int, stopped: bool, signum: int | None, ckpt: Path) -> None:
         if self.live:
             self.progress.stop()

@@ -9,6 +9,7 @@ its own shards into a sharded model and all ranks generate in lockstep; rank
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from typing import Any
@@ -16,12 +17,13 @@ from typing import Any
 from .main import (
     UsageError,
     add_launch_arguments,
-    find_checkpoint,
     in_worker,
     init_worker,
     launch,
     launch_from_args,
 )
+from .run_folder import find_checkpoint
+from .signals import restore_default_signals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,10 +59,12 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.tokens < 0:
         raise UsageError(f"--tokens must be at least 0, got {args.tokens}")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be at least 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature must be a number at least 0, got {args.temperature}")
     if args.top_k < 1:
         raise UsageError(f"--top-k must be at least 1, got {args.top_k}")
+    if in_worker():
+        restore_default_signals()  # no step boundary to stop at: signals act as usual
     ckpt, config = find_checkpoint(args.ckpt, "--ckpt")
     if in_worker():
         return _sample(args, ckpt, config, distributed=True)

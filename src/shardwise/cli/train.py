@@ -18,6 +18,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -25,19 +26,35 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
+from .failures import (
+    RunFailure,
+    first_line,
+    no_space,
+    passes_through,
+    peer_lost,
+    report_worker_failure,
+)
 from .main import (
     LAUNCH_ID_ENV,
     UsageError,
     Worker,
     add_launch_arguments,
-    find_checkpoint,
     from_rank0,
     in_worker,
     init_worker,
     launch,
     launch_from_args,
 )
-from .report import Reporter, read_json, read_jsonl
+from .report import Reporter, read_json
+from .run_folder import (
+    commit,
+    create_and_lock,
+    find_checkpoint,
+    holds_only_the_lock,
+    remove_if_unused,
+    remove_unfinished_saves,
+)
+from .signals import StopRequest, stop_when_orphaned
 
 # Flags that describe the training itself. With --resume, each one not given
 # on the command line is taken from the resumed run, so a bare
@@ -60,6 +77,10 @@ DEFAULTS: dict[str, Any] = {
     "eval_batches": 4,
     "save_every": 0,
 }
+# How our launcher hands the resolved config to its workers (see main()).
+CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
+# Keeps the run folder's lock alive in a worker that took it (torchrun direct).
+_held: list[Any] = []
 # Smaller models take larger steps; 2e-3 makes the 1B model spike early on.
 PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "medium": 3e-4}
 
@@ -142,15 +163,27 @@ def main(argv: list[str]) -> int:
         return train(args)
     where = launch_from_args(args)
     config = resolve(args, world=where.world)
-    prepare_run_folder(config)
     out = Path(config["out"])
+    _lock, created = create_and_lock(out, "--out", new_run=_is_new_run(config))
+    try:
+        for name in remove_unfinished_saves(out):
+            print(f"removed checkpoints/{name}: a save that never finished", file=sys.stderr)
+        # Workers get the config from us and write it to the run folder
+        # themselves, once the checkpoint has loaded: nothing changes before.
+        os.environ[CONFIG_ENV] = json.dumps(config)
 
-    def stopped_cleanly(launch_id: str, signum: int) -> int:
-        summary = read_json(out / "summary.json")
-        return 0 if summary.get("launch_id") == launch_id else 128 + signum
+        def on_signal(launch_id: str, signum: int) -> int:
+            if read_json(out / "summary.json").get("launch_id") == launch_id:
+                return 0  # stopped at a step boundary and saved
+            if read_json(out / "config.json").get("launch_id") != launch_id:
+                # The workers never got to write: one line for all of them.
+                # (Otherwise the stop's save failed, and a worker said why.)
+                print(_stopped_early(signum, config), file=sys.stderr)
+            return 128 + signum
 
-    # Workers read everything else from the config.json written above.
-    return launch("train", {"out": out}, where, on_signal=stopped_cleanly)
+        return launch("train", {"out": out}, where, on_signal=on_signal)
+    finally:
+        remove_if_unused(out, created)
 
 
 # ---- the run's config: flags, resumed run, checks -------------------------------------------
@@ -196,8 +229,14 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
     for k in ("warmup", "save_every"):
         if c[k] < 0:
             raise UsageError(f"--{k.replace('_', '-')} must be at least 0, got {c[k]}")
-    if not c["lr"] > 0:
-        raise UsageError(f"--lr must be positive, got {c['lr']}")
+    # A negative clip reverses the gradients and nan or inf poison every
+    # weight: each trains quietly into garbage, so refuse them here.
+    if not (math.isfinite(c["lr"]) and c["lr"] > 0):
+        raise UsageError(f"--lr must be a positive number, got {c['lr']}")
+    if not (math.isfinite(c["grad_clip"]) and c["grad_clip"] >= 0):
+        raise UsageError(
+            f"--grad-clip must be a number at least 0 (0: no clipping), got {c['grad_clip']}"
+        )
     if world % c["hsdp"]:
         raise UsageError(f"--hsdp {c['hsdp']} does not divide the {world} processes")
     if c["batch_size"] % (world * c["grad_accum"]):
@@ -247,7 +286,12 @@ def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
     continuing = resumed_run is not None and out == resumed_run.resolve()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {args.out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not continuing:
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--out {args.out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {args.out}: cannot write in {existing} (permission denied)")
+    if out.is_dir() and not holds_only_the_lock(out) and not continuing:
         raise UsageError(
             f"--out {args.out}: the folder already holds files; choose a new "
             "one (or --resume the run in it)"
@@ -255,27 +299,22 @@ def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
     return out
 
 
-def prepare_run_folder(config: dict[str, Any]) -> None:
-    """The run's first writes: its folder, config.json, and the metrics it continues from."""
-    out = Path(config["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    if config["resumed_metrics"]:
-        # Rows past the checkpoint belong to a future this run replaces.
-        rows = [
-            r
-            for r in read_jsonl(Path(config["resumed_metrics"]))
-            if r["step"] <= config["resume_step"]
-        ]
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 # ---- the worker -----------------------------------------------------------------------------
 
 
 def train(args: argparse.Namespace) -> int:
     stop = StopRequest()  # first: a signal during start-up must not kill us mid-write
+    stop_when_orphaned()
+    w = init_worker()
+    try:
+        return _train(args, w, stop)
+    except BaseException as e:  # one line, said by the one rank that should
+        if passes_through(e):
+            raise
+        return report_worker_failure("train", e, w.rank)
+
+
+def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -288,17 +327,18 @@ def train(args: argparse.Namespace) -> int:
     from ..precision import MixedPrecisionPolicy
     from ..trace import trace
 
-    w = init_worker()
-    if os.environ.get(LAUNCH_ID_ENV) and args.out:
-        cfg = read_json(Path(args.out) / "config.json")  # our launcher resolved and wrote it
+    if CONFIG_ENV in os.environ:
+        cfg = json.loads(os.environ[CONFIG_ENV])  # our launcher resolved it and holds the lock
     else:  # started by torchrun directly: rank 0 does what our launcher would have done
 
-        def resolve_and_prepare() -> dict[str, Any]:
+        def resolve_and_lock() -> dict[str, Any]:
             c = resolve(args, world=w.world)
-            prepare_run_folder(c)
+            out = Path(c["out"])
+            _held.append(create_and_lock(out, "--out", new_run=_is_new_run(c))[0])
+            remove_unfinished_saves(out)
             return c
 
-        cfg = from_rank0(resolve_and_prepare)
+        cfg = from_rank0(resolve_and_lock)
     out = Path(cfg["out"])
 
     # Data: the same corpus on every rank; each rank reads its own windows.
@@ -364,6 +404,18 @@ def train(args: argparse.Namespace) -> int:
         extra = checkpoint.load(cfg["resume"], model, optimizer) or {}
         step = int(extra.get("step", cfg["resume_step"]))
 
+    # Ctrl-C in the first seconds (a mistyped flag): leave before the run
+    # folder changes at all. All ranks decide together, as at every step.
+    asked = torch.tensor(float(stop.signum is not None), device=w.device)
+    dist.all_reduce(asked)
+    if asked.item() > 0:
+        if w.is_main and CONFIG_ENV not in os.environ:  # else our launcher says it
+            print(_stopped_early(stop.signum or signal.SIGINT, cfg), file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 0
+    if w.is_main:
+        commit({**cfg, "launch_id": os.environ.get(LAUNCH_ID_ENV)})
+
     def lr_at(s: int) -> float:
         """Linear warmup, then cosine decay to a tenth of the peak at the last step."""
         if s <= cfg["warmup"]:
@@ -398,61 +450,83 @@ def train(args: argparse.Namespace) -> int:
             "model_config": cfg["model_config"],
             "data": {"seed": cfg["seed"], "next_step": at + 1, "corpus_sha256": corpus.sha256},
         }
-        checkpoint.save(path, model, optimizer, extra=extra)
+        try:
+            checkpoint.save(path, model, optimizer, extra=extra)
+        except BaseException as e:
+            if passes_through(e) or peer_lost(e):
+                raise
+            # Every rank gets a failed save (DCP shares the outcome): one line.
+            why = _save_failure(e, out, need=12 * n_params)  # fp32 weights, AdamW's 2 moments
+            raise RunFailure(
+                f"saving {path.relative_to(out)} failed: {why}; {_kept(last_good)}"
+            ) from e
         return path
 
     # The loop. One row of metrics per optimizer step; every rank stops at
     # the same step boundary when any of them was asked to (Ctrl-C, SIGTERM).
-    report = Reporter(cfg, num_params(model), step) if w.is_main else None
+    n_params = num_params(model)
+    report = Reporter(cfg, n_params, step) if w.is_main else None
     tokens_per_step = cfg["batch_size"] * seq_len
     saved_at, stopped, t_start = -1, False, time.perf_counter()
+    last_good: Path | None = Path(cfg["resume"]) if cfg["resume"] else None
     # One step of each launch is traced into timeline.json/png: the second, warmed up.
     traced_step = min(step + 2, cfg["steps"])
     if w.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    while step < cfg["steps"] and not stopped:
-        step += 1
-        t0 = time.perf_counter()
-        with trace() if step == traced_step else contextlib.nullcontext() as timeline:
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
-            loss_sum = torch.zeros((), device=w.device)
-            for k in range(micro_steps):
-                # Reduce gradients once per step, after the last microbatch.
-                cast(FSDPModule, model).set_requires_gradient_sync(k == micro_steps - 1)
-                loss = loss_of(*sampler.batch(step, k))
-                (loss / micro_steps).backward()
-                loss_sum += loss.detach()
-            grad_norm = _clip(model, cfg["grad_clip"])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            stopping = torch.tensor(float(stop.signum is not None), device=w.device)
-            shared = torch.stack([loss_sum / micro_steps, stopping])
-            dist.all_reduce(shared)
-            loss_val, stopped = (shared[0] / w.world).item(), bool(shared[1].item() > 0)
-            dt = time.perf_counter() - t0
-        if timeline is not None and report:
-            report.timeline(timeline, step)
-        row = {
-            "step": step,
-            "loss": loss_val,
-            "lr": lr_at(step),
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_step / dt,
-            "peak_mem_bytes": _peak_memory(w),
-            "time_s": time.perf_counter() - t_start,
-        }
-        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-            row["val_loss"] = evaluate()
-        if cfg["save_every"] and step % cfg["save_every"] == 0:
-            save(step)
-            saved_at = step
-        if report:
-            report.row(row)
+    try:
+        while step < cfg["steps"] and not stopped:
+            step += 1
+            t0 = time.perf_counter()
+            with trace() if step == traced_step else contextlib.nullcontext() as timeline:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step)
+                loss_sum = torch.zeros((), device=w.device)
+                for k in range(micro_steps):
+                    # Reduce gradients once per step, after the last microbatch.
+                    cast(FSDPModule, model).set_requires_gradient_sync(k == micro_steps - 1)
+                    loss = loss_of(*sampler.batch(step, k))
+                    (loss / micro_steps).backward()
+                    loss_sum += loss.detach()
+                grad_norm = _clip(model, cfg["grad_clip"])
+                # Checked before the update: a non-finite norm (the same on every
+                # rank) would write nan into every weight. So is the loss after it.
+                if not math.isfinite(grad_norm):
+                    raise _diverged("gradient norm", grad_norm, step, last_good)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                stopping = torch.tensor(float(stop.signum is not None), device=w.device)
+                shared = torch.stack([loss_sum / micro_steps, stopping])
+                dist.all_reduce(shared)
+                loss_val, stopped = (shared[0] / w.world).item(), bool(shared[1].item() > 0)
+                if not math.isfinite(loss_val):
+                    raise _diverged("loss", loss_val, step, last_good)
+                dt = time.perf_counter() - t0
+            if timeline is not None and report:
+                report.timeline(timeline, step)
+            row = {
+                "step": step,
+                "loss": loss_val,
+                "lr": lr_at(step),
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / dt,
+                "peak_mem_bytes": _peak_memory(w),
+                "time_s": time.perf_counter() - t_start,
+            }
+            if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+                row["val_loss"] = evaluate()
+            if cfg["save_every"] and step % cfg["save_every"] == 0:
+                last_good = save(step)
+                saved_at = step
+            if report:
+                report.row(row)
 
-    path = save(step) if saved_at != step else out / "checkpoints" / f"step_{step:06d}"
-    if report:
-        report.finish(step, stopped, stop.signum, path)
+        path = save(step) if saved_at != step else out / "checkpoints" / f"step_{step:06d}"
+        if report:
+            report.finish(step, stopped, stop.signum, path)
+    except BaseException:
+        if report:
+            report.abort()  # the terminal gets its cursor back; the rows so far stay
+        raise
     # Leave together: a rank tearing down its connections while rank 0 still
     # plots was once seen to abort on exit.
     dist.barrier()
@@ -460,19 +534,53 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-class StopRequest:
-    """Ctrl-C and SIGTERM only raise a flag; the loop stops at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
+def _stopped_early(signum: int, config: dict[str, Any]) -> str:
+    kept = "the run folder is unchanged" if config["resume"] else "nothing was saved"
+    return (
+        f"shardwise train: stopped by {signal.Signals(signum).name} before the first step; {kept}"
+    )
 
 
-def _clip(model: Any, max_norm: float) -> float | None:
+def _save_failure(e: BaseException, out: Path, need: int) -> str:
+    """Why a save failed, in words; a full disk said as such.
+
+    torch.save's zip writer reports a short write on a full disk only as
+    "unexpected pos", without the errno, and the failed save has already been
+    removed: so the free space left is compared with a checkpoint's size.
+    """
+    free = shutil.disk_usage(out).free
+    if no_space(e) or free < need:
+        return (
+            f"no space left on device ({free / 2**20:.1f} MiB free in {out}, a checkpoint "
+            f"takes about {need / 2**20:.1f} MiB)"
+        )
+    return first_line(e)
+
+
+def _is_new_run(config: dict[str, Any]) -> bool:
+    """Whether ``--out`` is a new folder, not the resumed run's own."""
+    resumed = config["resumed_metrics"]
+    return resumed is None or Path(resumed).parent != Path(config["out"])
+
+
+def _kept(last_good: Path | None) -> str:
+    if last_good is None:
+        return "no checkpoint of this run was saved"
+    run = last_good.parent.parent
+    return (
+        f"the last good checkpoint, {last_good.relative_to(run)}, is kept "
+        f"(resume with: shardwise train --resume {run})"
+    )
+
+
+def _diverged(what: str, value: float, step: int, last_good: Path | None) -> RunFailure:
+    return RunFailure(
+        f"the {what} is {value} at step {step}: training diverged (lower --lr, keep "
+        f"--grad-clip on); stopped without saving; {_kept(last_good)}"
+    )
+
+
+def _clip(model: Any, max_norm: float) -> float:
     """Clip to ``max_norm`` (0: no clipping) and return the total gradient norm."""
     from ..clip import clip_grad_norm_  # one all-reduce for all shards
 

@@ -1,0 +1,128 @@
+"""One line per failure: what a worker says when it fails, and what the launcher says.
+
+A failing run involves several processes, and each would print its own
+traceback: the rank that hit the problem, the ranks that then lost their
+connection to it, and the launcher. Instead exactly one of them speaks:
+
+- an error every rank sees alike (a full disk during a collective save, a
+  loss that is no longer finite) is told by rank 0;
+- an error of one rank only is told by that rank;
+- a rank that merely lost a peer stays quiet (``EXIT_PEER_LOST``): the
+  peer's story is the one to tell;
+- the launcher speaks only when no worker could: a worker killed by a
+  signal (the OOM killer), or workers that all lost each other.
+
+``CheckpointException`` (DCP) derives from ``BaseException``, not
+``Exception``: handlers here catch ``BaseException`` and let only
+``KeyboardInterrupt`` and ``SystemExit`` through.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+import sys
+
+EXIT_REPORTED = 3  # a worker printed the one line that explains the failure
+EXIT_PEER_LOST = 4  # a worker lost a peer and said nothing
+
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket timeout",
+    "connection refused",
+)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class RunFailure(Exception):
+    """A failure the run detected itself, on every rank alike; its message is the line to print."""
+
+
+def no_space(e: BaseException) -> bool:
+    """Whether a full disk (or quota) caused ``e``, however deep DCP or torch wrapped it.
+
+    DCP collects each rank's exception into one ``CheckpointException`` whose
+    text holds every rank's traceback; torch.save's zip writer reports a
+    short write only as "unexpected pos". So the chain and the text are both
+    searched.
+    """
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _NO_SPACE:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(e)
+    return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def passes_through(e: BaseException) -> bool:
+    """Exceptions a failure handler must not swallow."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit))
+
+
+def peer_lost(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistNetworkError", ())):
+        return True
+    return any(s in str(e).lower() for s in _PEER_LOST)
+
+
+def report_worker_failure(command: str, e: BaseException, rank: int) -> int:
+    """Print the one line for ``e`` if this rank is the one to tell it; return the exit code."""
+    if isinstance(e, RunFailure):
+        message, everyone = str(e), True
+    elif peer_lost(e):
+        return EXIT_PEER_LOST
+    else:
+        # Raised on every rank: DCP's collective errors, and rank 0's file
+        # work that it shares the outcome of (checkpoint._on_rank0).
+        everyone = type(e).__name__ == "CheckpointException" or "failed on rank 0" in str(e)
+        message = first_line(e)
+    if rank == 0 or not everyone:
+        where = "" if everyone else f"rank {rank}: "
+        print(f"shardwise {command}: error: {where}{message}", file=sys.stderr, flush=True)
+    return EXIT_REPORTED
+
+
+def first_line(e: BaseException) -> str:
+    """A readable one-line summary of any exception (the first line of its message)."""
+    if no_space(e):
+        return "no space left on device"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def launcher_message(command: str, failures: dict[int, int]) -> str | None:
+    """The launcher's line for workers that ended with ``failures`` (rank -> exit code).
+
+    ``None`` when a worker already said what happened.
+    """
+    if EXIT_REPORTED in failures.values():
+        return None
+    # Once one worker fails, the launcher SIGTERMs the rest: the other
+    # signals are the cause, SIGTERM more likely the consequence.
+    killed = sorted((c == -signal.SIGTERM, r, c) for r, c in failures.items() if c < 0)
+    if killed:
+        _, rank, code = killed[0]
+        name = _signal_name(-code)
+        hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+        return (
+            f"shardwise {command}: worker rank {rank} was killed by {name}{hint}; "
+            "the other workers stopped with it"
+        )
+    if failures and all(c == EXIT_PEER_LOST for c in failures.values()):
+        return f"shardwise {command}: the workers lost contact with each other (network?)"
+    rank, code = min(failures.items())
+    return (
+        f"shardwise {command}: worker rank {rank} failed with exit code {code}; its error is above"
+    )
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -1,0 +1,55 @@
+"""The script every worker our launcher starts runs first: signals before torch.
+
+The launcher passes Ctrl-C, SIGTERM and SIGHUP on to its workers at once,
+often while they are still importing torch or waiting for each other in
+``init_process_group``. Python's default handler would raise
+KeyboardInterrupt inside that import (a long traceback per worker), and a
+worker that dies there leaves the others waiting for it, for good.
+
+So this file is run as a script (not as ``-m shardwise``, whose package
+import pulls torch in before any of our code runs), and until the worker has
+joined its process group the first such signal ends it at once, quietly.
+Nothing is lost: a worker writes nothing before it has joined. A helper
+thread does the exiting, woken through ``signal.set_wakeup_fd``, because a
+Python signal handler cannot run while the main thread is blocked inside
+torch's C++ rendezvous. ``signals.joined()`` disarms it; from then on the
+training loop's ``StopRequest`` stops at a step boundary instead.
+"""
+
+import os
+import signal
+import socket
+import sys
+import threading
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+_pair: tuple[socket.socket, socket.socket] | None = None  # kept open for the process's life
+
+
+def exit_on_first_signal() -> None:
+    global _pair
+    reader, writer = _pair = socket.socketpair()
+    writer.setblocking(False)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: None)  # the thread below acts
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def wait() -> None:
+        signum = reader.recv(1)
+        if signum:  # empty: the process is ending anyway
+            os._exit(128 + signum[0])
+
+    threading.Thread(target=wait, name="shardwise-early-exit", daemon=True).start()
+
+
+if __name__ == "__main__":
+    exit_on_first_signal()
+    # Run as a script, this file's folder is first on sys.path; its main.py
+    # and train.py must not shadow anything torch or others import.
+    del sys.path[0]
+
+    from shardwise.cli.main import main
+
+    sys.exit(main())

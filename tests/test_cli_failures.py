@@ -1,0 +1,282 @@
+"""What users do to a running ``shardwise train``, done to real processes (issue 15).
+
+Signals go to the whole process group, as a terminal sends them; kill -9 hits
+real launchers and workers; the full disk is a real, tiny tmpfs where a
+mount namespace can be made. Every failure must end non-zero (or 0 for a
+clean stop) with one line and no traceback, and keep what the user had.
+Bad input that needs no workers is checked in process, which is much faster
+than a subprocess per case and runs the same ``main``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import (
+    LONG,
+    alive,
+    checkpoints,
+    children,
+    env,
+    handles_sighup,
+    one_line,
+    rank_of,
+    rows,
+    shardwise,
+    start,
+    wait_for,
+)
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+# ---- signals and kills --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_while_starting_then_kill_9_of_the_launcher(tmp_path: Path) -> None:
+    """Items 4 and 2: an early Ctrl-C leaves nothing behind; orphaned workers stop and save."""
+    run = tmp_path / "run"
+    proc = start("train", *LONG, "--out", "run", cwd=tmp_path)
+    # The workers are importing torch: the seconds after pressing Enter. (The
+    # few milliseconds before Python runs our entry script are not covered.)
+    wait_for("the workers", lambda: len(children(proc.pid)) == 2)
+    wait_for("the workers' entry", lambda: all(map(handles_sighup, children(proc.pid))))
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    line = one_line(out + err)
+    assert "before the first step; nothing was saved" in line or "interrupted" in line
+    assert not run.exists()  # the --out can be used again as it is
+
+    log = tmp_path / "log"
+    proc = start("train", *LONG, "--out", "run", cwd=tmp_path, log=log)
+    wait_for("two steps", lambda: len(rows(run)) >= 2)
+    workers = children(proc.pid)
+    proc.kill()  # the OOM killer, or a scheduler
+    proc.wait(timeout=10)
+    t0 = time.monotonic()
+    wait_for("the orphaned workers to exit", lambda: not any(map(alive, workers)), timeout=60)
+    assert time.monotonic() - t0 < 30, "workers outlived their launcher too long"
+    step = summary(run)["steps_done"]
+    assert summary(run)["stopped_early"] and 2 <= step < 500
+    assert checkpoints(run) == [f"step_{step:06d}"]  # nothing trained was lost
+    assert "stopped by SIGTERM" in log.read_text()
+
+
+@pytest.mark.timeout(240)
+def test_hangup_saves_and_a_second_writer_is_refused(tmp_path: Path) -> None:
+    """Items 1 and 7 (and 6's clean-up at start): a closed terminal keeps the run; one writer."""
+    run = tmp_path / "run"
+    proc = start("train", *LONG, "--out", "run", cwd=tmp_path)
+    wait_for("a step", lambda: len(rows(run)) >= 1)
+    os.killpg(proc.pid, signal.SIGHUP)  # the terminal or SSH session went away
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert "stopped by SIGHUP" in out and "Traceback" not in err
+    first = summary(run)["steps_done"]
+    assert checkpoints(run) == [f"step_{first:06d}"]
+
+    # A save killed mid-way left a partial folder; the next start removes it.
+    stale = run / "checkpoints" / "step_000999.partial"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"\0" * 1000)
+    resumed = start("train", "--resume", "run", cwd=tmp_path)
+    wait_for("the resume to train", lambda: len(rows(run)) > first + 1)
+    assert not stale.exists()
+    before = (run / "metrics.jsonl").read_bytes()
+    second = shardwise("train", "--resume", "run", "--nproc", "2", cwd=tmp_path, timeout=60)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"pid {resumed.pid}" in one_line(second.stderr)
+    assert (run / "metrics.jsonl").read_bytes().startswith(before)
+
+    resumed.send_signal(signal.SIGTERM)
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, out + err
+    last = summary(run)["steps_done"]
+    assert [r["step"] for r in rows(run)] == list(range(1, last + 1))
+    assert checkpoints(run) == [f"step_{first:06d}", f"step_{last:06d}"]
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_is_named_in_one_line(tmp_path: Path) -> None:
+    """Item 9: the launcher names the worker that was killed, not its peer's lost connection."""
+    proc = start("train", *LONG, "--out", "run", cwd=tmp_path)
+    wait_for("a step", lambda: len(rows(tmp_path / "run")) >= 1)
+    victim = next(p for p in children(proc.pid) if rank_of(p) == 1)
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out + err
+    assert "worker rank 1 was killed by SIGKILL" in one_line(err)
+
+
+@pytest.mark.timeout(180)
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    """Item 3: a loss that stops being finite ends the run, non-zero, saving nothing bad."""
+    r = shardwise(
+        "train", *LONG[:-4], "--steps", "6", "--nproc", "2", "--lr", "1e30", "--save-every", "1",
+        "--out", "run", cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = one_line(r.stderr)
+    assert "training diverged" in line and "step_000001, is kept" in line, line
+    assert checkpoints(tmp_path / "run") == ["step_000001"]
+    assert [row["step"] for row in rows(tmp_path / "run")] == [1]
+
+
+# ---- a full disk --------------------------------------------------------------------------
+
+
+def _can_mount_tmpfs() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=1m none $d && umount $d"
+    return (
+        subprocess.run(["unshare", "-rm", "sh", "-c", probe], capture_output=True).returncode == 0
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="cannot mount a tmpfs (no user namespaces)")
+def test_full_disk(tmp_path: Path) -> None:
+    """Item 6: a real 14 MiB tmpfs holds one checkpoint, not two; then the user frees space.
+
+    A mount namespace (unshare -rm) lets an unprivileged test mount it; the
+    results are copied out before the namespace, and the tmpfs, go away.
+    """
+    disk, report = tmp_path / "disk", tmp_path / "report"
+    disk.mkdir()
+    report.mkdir()
+    train = f"{sys.executable} -m shardwise train --nproc 2"
+    script = f"""
+        mount -t tmpfs -o size=14m none {disk} && cd {disk} || exit 99
+        {train} {" ".join(LONG[:-4])} --steps 4 --save-every 2 --out run >{report}/1.out 2>{report}/1.err
+        echo $? >{report}/1.rc
+        ls -a run/checkpoints >{report}/1.ls
+        mount -o remount,size=40m {disk}
+        {train} --resume run >{report}/2.out 2>{report}/2.err
+        echo $? >{report}/2.rc
+        ls -a run/checkpoints >{report}/2.ls
+    """
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env(), timeout=220, check=True)
+
+    def read(name: str) -> str:
+        return (report / name).read_text()
+
+    assert read("1.rc").strip() == "1", read("1.out") + read("1.err")
+    line = one_line(read("1.err"))
+    assert "saving checkpoints/step_000004 failed: no space left on device" in line
+    assert "step_000002, is kept" in line
+    assert read("1.ls").split() == [".", "..", "step_000002"]  # no .partial holds the space
+    assert read("2.rc").strip() == "0", read("2.out") + read("2.err")
+    assert "resumed at step 2" in read("2.out")
+    assert read("2.ls").split() == [".", "..", "step_000002", "step_000004"]
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_save_removes_its_partial_folder(tmp_path: Path, monkeypatch) -> None:
+    """Item 6 where no tmpfs can be mounted: a write failing with ENOSPC, simulated in process.
+
+    Runs everywhere; test_full_disk above is the real thing.
+    """
+    import errno
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise import checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    checkpoint.save(tmp_path / "step_1", model)
+
+    def full_disk(state, checkpoint_id, **kw):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path / "step_2", model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    checkpoint.verify(tmp_path / "step_1")
+
+
+# ---- bad input: one line, exit 2, nothing written (in process: no workers are needed) -----
+
+
+def _bad_in_process(argv: list[str], cwd: Path, capsys, monkeypatch) -> str:
+    from shardwise.cli.main import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDWISE_RUN_CONFIG"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(cwd)
+    before = sorted(cwd.rglob("*"))
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert sorted(cwd.rglob("*")) == before  # nothing written
+    return one_line(err)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--grad-clip", "-1"], "--grad-clip must be a number at least 0"),
+        (["train", "--grad-clip", "nan"], "--grad-clip must be a number at least 0"),
+        (["train", "--lr", "inf"], "--lr must be a positive number, got inf"),
+        (["train", "--lr", "-1"], "--lr must be a positive number, got -1"),
+        (["train", "--lr", "nan"], "--lr must be a positive number, got nan"),
+        (["train", "--out", "/sys/shardwise-run"], "--out /sys/shardwise-run: cannot write"),
+        (["train", "--out", "notes.txt/run"], "notes.txt is a file, not a folder"),
+        (["train", "--data", "weights.bin"], "--data weights.bin: looks binary"),
+        (["train", "--resume", "notes.txt"], "--resume notes.txt: is a file"),
+        (["sample", "--ckpt", ".", "--temperature", "nan"], "--temperature must be a number"),
+        (["bench", "--configs", "Shardwise"], "unknown --configs value 'Shardwise'"),
+        (["bench", "--configs", "fsdp3"], "unknown --configs value 'fsdp3'"),
+        (["bench", "--nproc", "0"], "--nproc must be from 1 to"),
+        (["bench", "--configs", "bare", "--nproc", "2"], "the bare model runs only at --nproc 1"),
+        (["bench", "--steps", "0"], "--steps must be at least 1, got 0"),
+        (["bench", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+        (["bench", "--json", "no/such/folder/bench.json"], "--json no/such/folder/bench.json"),
+        (["bench", "--json", "/sys/bench.json"], "--json /sys/bench.json: cannot write it"),
+    ],
+)
+def test_bad_input_in_process(argv: list[str], message: str, tmp_path, capsys, monkeypatch):
+    """Items 3, 8 and 9: refused before anything runs, with the flag and the reason."""
+    (tmp_path / "notes.txt").write_text("text\n")
+    (tmp_path / "weights.bin").write_bytes(bytes(range(256)) * 64)
+    line = _bad_in_process(argv, tmp_path, capsys, monkeypatch)
+    assert message in line, line
+    assert line.startswith(f"shardwise {argv[0]}: error: ")
+
+
+@pytest.mark.timeout(60)
+def test_bench_device_cuda_without_a_gpu(tmp_path, capsys, monkeypatch) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("there is a GPU here")
+    line = _bad_in_process(["bench", "--device", "cuda"], tmp_path, capsys, monkeypatch)
+    assert "--device cuda: no CUDA GPU is available here" in line
+
+
+@pytest.mark.timeout(60)
+def test_bench_help_shows_defaults_without_markup(capsys) -> None:
+    from shardwise.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "``" not in out and "(default: 10)" in out and "(default: bench.json)" in out
