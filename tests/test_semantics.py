@@ -1,0 +1,409 @@
+"""FSDP2's training semantics that real clients rely on, each against one process.
+
+Dataclass and namedtuple inputs and outputs; ``requires_grad`` changed after
+``fully_shard``; ``reset_iter_state`` after an exception; slicing a sharded
+``nn.Sequential``; ``load_state_dict(assign=True)`` into a model sharded on
+the meta device (directly and through DCP's broadcast from rank 0);
+``reshard_after_forward``'s defaults (side by side with FSDP2); frozen modules
+resharded as soon as their backward is done.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from dist_utils import run_distributed
+from models import Net, batches, loss_fn
+from shardwise import FSDPModule, MixedPrecisionPolicy, Phase, collectives, fully_shard
+from test_core import assert_between_steps, global_mean, reference_step, shard_net
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def is_gathered(module: nn.Module) -> bool:
+    group = module._shardwise_state.group  # type: ignore[attr-defined]
+    return group.unsharded_bytes > 0
+
+
+# ---- dataclass and namedtuple inputs and outputs ---------------------------------------------
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    extras: dict
+
+
+@dataclass(frozen=True)
+class Hidden:
+    x: torch.Tensor
+
+
+@dataclass
+class BlockOut:
+    main: torch.Tensor
+    pair: Pair
+    note: str = "block"
+    cache: list = field(default_factory=list, init=False)
+
+
+@dataclass
+class Result:  # the root's output: what a user's training loop reads .loss from
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class DCBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+        self.seen_dtype: torch.dtype | None = None
+
+    def forward(self, h: Hidden) -> BlockOut:
+        self.seen_dtype = h.x.dtype
+        y = self.fc2(F.gelu(self.fc1(h.x)))
+        out = BlockOut(h.x + y, Pair(y * 0.5, {"deep": [y.tanh()]}))
+        out.cache.append(y.sum(-1, keepdim=True))  # an init=False field holding a tensor
+        return out
+
+
+class DCNet(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, d)
+        self.blocks = nn.ModuleList(DCBlock(d) for _ in range(3))
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, idx: torch.Tensor) -> Result:
+        h = Hidden(self.emb(idx[:, :-1]))
+        for block in self.blocks:
+            out = block(h)
+            h = Hidden(out.main + out.pair.a + out.pair.extras["deep"][0] + 0.01 * out.cache[0])
+        logits = self.head(h.x).float()
+        loss = F.cross_entropy(logits.reshape(-1, 5), idx[:, 1:].reshape(-1))
+        return Result(loss, logits)
+
+
+def dataclass_worker(rank: int, world: int, bf16: bool) -> None:
+    torch.manual_seed(0)
+    ref = DCNet()
+    model = copy.deepcopy(ref)
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+        if bf16
+        else None
+    )
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)  # resharded after forward (the default)
+    fully_shard(model)  # the root computes in fp32 on the blocks' fp32 outputs
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for idx in batches(3):
+        out = model(idx.chunk(world)[rank])
+        assert isinstance(out, Result)
+        # The loss inside the dataclass told the root that a backward follows.
+        assert is_gathered(model) and not any(is_gathered(b) for b in model.blocks)
+        if bf16:
+            assert all(b.seen_dtype == torch.bfloat16 for b in model.blocks)
+        out.loss.backward()
+        assert_between_steps(model)
+        opt.step()
+        opt.zero_grad()
+        ref_out = ref(idx)
+        ref_out.loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        tol = 3e-2 if bf16 else 1e-5
+        torch.testing.assert_close(global_mean(out.loss), ref_out.loss.detach(), atol=tol, rtol=tol)
+    # output_dtype reaches tensors inside the block's dataclass, whose type is kept.
+    blocks_out = model.blocks[0](Hidden(torch.randn(2, 3, 8)))
+    assert type(blocks_out) is BlockOut and type(blocks_out.pair) is Pair
+    if bf16:
+        assert blocks_out.main.dtype == torch.float32
+        assert blocks_out.pair.extras["deep"][0].dtype == torch.float32
+    with torch.no_grad():
+        model(batches(1)[0].chunk(world)[rank])
+    assert not is_gathered(model)  # no backward follows a no-grad forward: all sharded
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_dataclass_inputs_and_outputs(bf16: bool) -> None:
+    run_distributed(dataclass_worker, 2, bf16)
+
+
+# ---- requires_grad changed after fully_shard ---------------------------------------------------
+
+
+def requires_grad_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    for p in ref.stages[1].parameters():
+        p.requires_grad_(False)  # frozen before sharding
+    model = copy.deepcopy(ref)
+    shard_net(model, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def schedule(m: nn.Module) -> None:
+        for p in m.stages[0].a.parameters():  # a whole module frozen
+            p.requires_grad_(False)
+        m.stages[0].b.fc1.weight.requires_grad_(False)  # one parameter of a module
+        for p in m.stages[1].b.parameters():  # unfrozen
+            p.requires_grad_(True)
+
+    frozen_at: dict[str, torch.Tensor] = {}
+    for step, idx in enumerate(batches(4)):
+        if step == 1:
+            schedule(model)
+            schedule(ref)
+            frozen_at = {
+                n: p.full_tensor() for n, p in model.named_parameters() if not p.requires_grad
+            }
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        assert_between_steps(model)
+        for n, p in model.named_parameters():
+            assert (p.grad is not None) == p.requires_grad, f"step {step}: {n}"
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference_step(ref, ref_opt, idx)
+        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+    assert "stages.1.b.fc1.weight" not in frozen_at and "stages.0.b.fc1.weight" in frozen_at
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), atol=1e-5, rtol=1e-5, msg=n)
+        if n in frozen_at:
+            assert torch.equal(p.full_tensor(), frozen_at[n]), f"frozen {n} moved"
+
+
+def test_requires_grad_changed_after_fully_shard() -> None:
+    run_distributed(requires_grad_worker, 2)
+
+
+# ---- reset_iter_state after an exception --------------------------------------------------------
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def reset_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    shard_net(model, {})
+    idx = batches(1)[0]
+    mine = idx.chunk(world)[rank]
+
+    def leaves_again() -> None:
+        model.reset_iter_state()
+        for n, p in model.named_parameters():
+            assert isinstance(p, DTensor) and p.is_leaf, f"{n} is not a sharded leaf"
+        assert all(not is_gathered(m) for m in model.modules() if isinstance(m, FSDPModule))
+        assert all(m.phase is Phase.IDLE for m in model.modules() if isinstance(m, FSDPModule))
+        assert model.fsdp_context.phase is Phase.IDLE
+
+    # In forward: after the root and the first blocks gathered.
+    handle = model.stages[1].a.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(Boom()))
+    with pytest.raises(Boom):
+        loss_fn(model, mine)
+    handle.remove()
+    leaves_again()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # fails on non-leaf parameters
+
+    # In backward: half-way through, with reductions in flight.
+    def arm(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: (_ for _ in ()).throw(Boom()))
+
+    handle = model.stages[0].b.register_forward_hook(arm)
+    loss = loss_fn(model, mine)
+    handle.remove()
+    with pytest.raises(Boom):
+        loss.backward()
+    leaves_again()
+    opt.zero_grad()
+
+    # Training goes on exactly as a fresh process would.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for idx in batches(2, seed=2):
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        assert_between_steps(model)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference_step(ref, ref_opt, idx)
+        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_reset_iter_state_after_exceptions() -> None:
+    run_distributed(reset_worker, 2)
+
+
+# ---- slicing, containers -------------------------------------------------------------------------
+
+
+def slicing_worker(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    for shard in (fully_shard, fsdp2_shard):
+        model = copy.deepcopy(ref)
+        for i in (0, 2, 3):
+            shard(model[i])
+        shard(model)
+        torch.testing.assert_close(model(x), ref(x))  # FSDP2 wants the root run first
+        head = model[:2]
+        # FSDP2 and shardwise alike: the slice is a plain Sequential of sharded layers.
+        assert type(head) is nn.Sequential, (shard.__module__, type(head))
+        assert isinstance(head[0], type(model[0]))
+        torch.testing.assert_close(head(x), ref[:2](x))
+        model.reshard()
+        torch.testing.assert_close(model(x), ref(x))
+
+
+def test_slicing_a_sharded_sequential() -> None:
+    run_distributed(slicing_worker, 2)
+
+
+# ---- load_state_dict(assign=True) on the meta device ---------------------------------------------
+
+
+def assign_worker(rank: int, world: int, how: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    torch.manual_seed(0)
+    ref = Net()
+    with torch.device("meta"):
+        model = Net()
+    shard_net(model, {})
+    if how == "sharded":
+        source = copy.deepcopy(ref)
+        shard_net(source, {})
+        model.load_state_dict(source.state_dict(), assign=True)
+    else:  # the full state dict on rank 0 only, broadcast by DCP (loads with assign)
+        full = ref.state_dict() if rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
+    assert model.head.weight is model.emb.weight, "the tie survives"
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor) and p.device.type == "cpu"
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), msg=n)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for idx in batches(2):
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        assert_between_steps(model)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference_step(ref, ref_opt, idx)
+        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["sharded", "broadcast-from-rank0"])
+def test_load_state_dict_assign_on_meta(how: str) -> None:
+    run_distributed(assign_worker, 2, how)
+
+
+# ---- reshard_after_forward defaults, side by side with FSDP2 ---------------------------------------
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.layers(x))
+
+
+def raf_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    seen: dict[str, Any] = {}
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))  # the same on every rank
+    for name, shard in (("shardwise", fully_shard), ("fsdp2", fsdp2_shard)):
+        for root_raf in ("default", True):
+            torch.manual_seed(0)
+            ref = Chain()
+            model = copy.deepcopy(ref)
+            for layer in model.layers:
+                shard(layer)
+            shard(model, **({} if root_raf == "default" else {"reshard_after_forward": True}))
+            y = model(x)
+            # After a training forward: is each module's parameter still a DTensor (sharded)?
+            seen[f"{name}/{root_raf}"] = (
+                isinstance(model.out.weight, DTensor),
+                [isinstance(layer.weight, DTensor) for layer in model.layers],
+            )
+            y.sum().backward()
+            ref(x).sum().backward()  # every rank has the same x: the mean is ref's gradient
+            for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+                torch.testing.assert_close(
+                    p.grad.full_tensor(), rp.grad, msg=lambda m, n=n, k=name: f"{k} {n}: {m}"
+                )
+            if name == "shardwise":
+                with torch.no_grad():
+                    model(x)  # our extra: nothing stays gathered without a backward
+                seen[f"{name}/{root_raf}/no_grad"] = isinstance(model.out.weight, DTensor)
+    return seen
+
+
+def test_reshard_after_forward_defaults_match_fsdp2() -> None:
+    seen = run_distributed(raf_worker, 2)[0]
+    assert seen["shardwise/default"] == seen["fsdp2/default"] == (False, [True, True])
+    assert seen["shardwise/True"] == seen["fsdp2/True"] == (True, [True, True])
+    assert seen["shardwise/default/no_grad"] and seen["shardwise/True/no_grad"]
+
+
+# ---- frozen modules are resharded after their own backward ---------------------------------------
+
+
+def frozen_worker(rank: int, world: int) -> int:
+    """A frozen backbone between a trainable embedding and head (a LoRA base is the same)."""
+    torch.manual_seed(0)
+    ref = Net(n_stages=3)
+    for stage in ref.stages:
+        for p in stage.parameters():
+            p.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    shard_net(model, {})
+    blocks = [b for s in model.stages for b in (s.a, s.b)]
+    most = 0
+
+    def count(record: Any, pending: Any) -> None:
+        nonlocal most
+        if record.kind == "all_gather" and model.fsdp_context.phase is Phase.BACKWARD:
+            most = max(most, sum(is_gathered(b) for b in blocks))
+
+    remove = collectives.add_observer(count)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    try:
+        for idx in batches(3):
+            loss = loss_fn(model, idx.chunk(world)[rank])
+            loss.backward()
+            assert_between_steps(model)
+            opt.step()
+            opt.zero_grad()
+            ref_loss = reference_step(ref, ref_opt, idx)
+            torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+    finally:
+        remove()
+    return most
+
+
+def test_frozen_modules_reshard_after_their_backward() -> None:
+    most = run_distributed(frozen_worker, 2)[0]
+    # The block being gathered and the one prefetched; the bug kept all six.
+    assert most <= 2, f"{most} frozen blocks gathered at once in backward"
