@@ -185,30 +185,26 @@ def test_full_disk(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_save_removes_its_partial_folder(tmp_path: Path, monkeypatch) -> None:
-    """Item 6 where no tmpfs can be mounted: a write failing with ENOSPC, simulated in process.
+def test_full_disk_pieces_without_a_tmpfs(tmp_path: Path) -> None:
+    """Item 6 where no tmpfs can be mounted: the two pieces, with ENOSPC simulated.
 
-    Runs everywhere; test_full_disk above is the real thing.
+    Not the real thing (test_full_disk is): a failed save's error is put in
+    words, and the partial folder it left is removed.
     """
     import errno
 
-    import torch
-    import torch.distributed.checkpoint as dcp
+    from shardwise.cli.failures import save_failure
+    from shardwise.cli.run_folder import remove_unfinished_saves
 
-    from shardwise import checkpoint
-
-    model = torch.nn.Linear(4, 4)
-    checkpoint.save(tmp_path / "step_1", model)
-
-    def full_disk(state, checkpoint_id, **kw):
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"\0" * 100)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(dcp, "save", full_disk)
-    with pytest.raises(OSError):
-        checkpoint.save(tmp_path / "step_2", model)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
-    checkpoint.verify(tmp_path / "step_1")
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000004.partial").mkdir()
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert save_failure(full, tmp_path, need=1).startswith("no space left on device")
+    short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704")
+    assert save_failure(short_write, tmp_path, need=2**62).startswith("no space left on device")
+    assert save_failure(short_write, tmp_path, need=1) == f"RuntimeError: {short_write}"
+    assert remove_unfinished_saves(tmp_path) == ["step_000004.partial"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
 
 
 # ---- bad input: one line, exit 2, nothing written (in process: no workers are needed) -----

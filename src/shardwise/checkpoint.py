@@ -264,23 +264,15 @@ def save(
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     _on_rank0("preparing the checkpoint folder", lambda: _prepare(path))
-    try:
-        with _single_process_quiet():
-            dcp.save(state, checkpoint_id=_partial(path), **_no_dist(dcp.save))
-        payload = {
-            "format": _FORMAT,
-            "world_size": _world(),
-            "extra": extra,
-            "rng": _gather_rng_states(),
-        }
-        _on_rank0("committing the checkpoint", lambda: _commit(path, payload))
-    except BaseException:
-        # A half-written folder is of no use, and on a full disk it holds the
-        # very space a retry or a resume needs. The complete checkpoint at
-        # ``path`` (or ``<path>.previous``) is never touched here.
-        if _rank() == 0:
-            shutil.rmtree(_partial(path), ignore_errors=True)
-        raise
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=_partial(path), **_no_dist(dcp.save))
+    payload = {
+        "format": _FORMAT,
+        "world_size": _world(),
+        "extra": extra,
+        "rng": _gather_rng_states(),
+    }
+    _on_rank0("committing the checkpoint", lambda: _commit(path, payload))
 
 
 def load(

@@ -20,8 +20,10 @@ connection to it, and the launcher. Instead exactly one of them speaks:
 from __future__ import annotations
 
 import errno
+import shutil
 import signal
 import sys
+from pathlib import Path
 
 EXIT_REPORTED = 3  # a worker printed the one line that explains the failure
 EXIT_PEER_LOST = 4  # a worker lost a peer and said nothing
@@ -93,6 +95,39 @@ def first_line(e: BaseException) -> str:
         return "no space left on device"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def save_failure(e: BaseException, out: Path, need: int) -> str:
+    """Why a save failed, in words; a full disk said as such.
+
+    torch.save's zip writer reports a short write on a full disk only as
+    "unexpected pos", without the errno: so the free space left (with the
+    failed save's files still there) is compared with a checkpoint's size.
+    """
+    free = shutil.disk_usage(out).free
+    if no_space(e) or free < need:
+        return (
+            f"no space left on device ({free / 2**20:.1f} MiB free in {out}, a checkpoint "
+            f"takes about {need / 2**20:.1f} MiB)"
+        )
+    return first_line(e)
+
+
+def kept(last_good: Path | None) -> str:
+    if last_good is None:
+        return "no checkpoint of this run was saved"
+    run = last_good.parent.parent
+    return (
+        f"the last good checkpoint, {last_good.relative_to(run)}, is kept "
+        f"(resume with: shardwise train --resume {run})"
+    )
+
+
+def diverged(what: str, value: float, step: int, last_good: Path | None) -> RunFailure:
+    return RunFailure(
+        f"the {what} is {value} at step {step}: training diverged (lower --lr, keep "
+        f"--grad-clip on); stopped without saving; {kept(last_good)}"
+    )
 
 
 def launcher_message(command: str, failures: dict[int, int]) -> str | None:

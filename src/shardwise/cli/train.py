@@ -18,7 +18,6 @@ import math
 import os
 import re
 import resource
-import shutil
 import signal
 import sys
 import time
@@ -28,11 +27,12 @@ from typing import Any, cast
 
 from .failures import (
     RunFailure,
-    first_line,
-    no_space,
+    diverged,
+    kept,
     passes_through,
     peer_lost,
     report_worker_failure,
+    save_failure,
 )
 from .main import (
     LAUNCH_ID_ENV,
@@ -456,9 +456,12 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
             if passes_through(e) or peer_lost(e):
                 raise
             # Every rank gets a failed save (DCP shares the outcome): one line.
-            why = _save_failure(e, out, need=12 * n_params)  # fp32 weights, AdamW's 2 moments
+            # Measured before the half-written folder goes: a full disk shows.
+            why = save_failure(e, out, need=12 * n_params)  # fp32 weights, AdamW's 2 moments
+            if w.is_main:  # of no use, and on a full disk it holds what a resume needs
+                remove_unfinished_saves(out)
             raise RunFailure(
-                f"saving {path.relative_to(out)} failed: {why}; {_kept(last_good)}"
+                f"saving {path.relative_to(out)} failed: {why}; {kept(last_good)}"
             ) from e
         return path
 
@@ -491,7 +494,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
                 # Checked before the update: a non-finite norm (the same on every
                 # rank) would write nan into every weight. So is the loss after it.
                 if not math.isfinite(grad_norm):
-                    raise _diverged("gradient norm", grad_norm, step, last_good)
+                    raise diverged("gradient norm", grad_norm, step, last_good)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 stopping = torch.tensor(float(stop.signum is not None), device=w.device)
@@ -499,7 +502,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
                 dist.all_reduce(shared)
                 loss_val, stopped = (shared[0] / w.world).item(), bool(shared[1].item() > 0)
                 if not math.isfinite(loss_val):
-                    raise _diverged("loss", loss_val, step, last_good)
+                    raise diverged("loss", loss_val, step, last_good)
                 dt = time.perf_counter() - t0
             if timeline is not None and report:
                 report.timeline(timeline, step)
@@ -541,43 +544,10 @@ def _stopped_early(signum: int, config: dict[str, Any]) -> str:
     )
 
 
-def _save_failure(e: BaseException, out: Path, need: int) -> str:
-    """Why a save failed, in words; a full disk said as such.
-
-    torch.save's zip writer reports a short write on a full disk only as
-    "unexpected pos", without the errno, and the failed save has already been
-    removed: so the free space left is compared with a checkpoint's size.
-    """
-    free = shutil.disk_usage(out).free
-    if no_space(e) or free < need:
-        return (
-            f"no space left on device ({free / 2**20:.1f} MiB free in {out}, a checkpoint "
-            f"takes about {need / 2**20:.1f} MiB)"
-        )
-    return first_line(e)
-
-
 def _is_new_run(config: dict[str, Any]) -> bool:
     """Whether ``--out`` is a new folder, not the resumed run's own."""
     resumed = config["resumed_metrics"]
     return resumed is None or Path(resumed).parent != Path(config["out"])
-
-
-def _kept(last_good: Path | None) -> str:
-    if last_good is None:
-        return "no checkpoint of this run was saved"
-    run = last_good.parent.parent
-    return (
-        f"the last good checkpoint, {last_good.relative_to(run)}, is kept "
-        f"(resume with: shardwise train --resume {run})"
-    )
-
-
-def _diverged(what: str, value: float, step: int, last_good: Path | None) -> RunFailure:
-    return RunFailure(
-        f"the {what} is {value} at step {step}: training diverged (lower --lr, keep "
-        f"--grad-clip on); stopped without saving; {_kept(last_good)}"
-    )
 
 
 def _clip(model: Any, max_norm: float) -> float:
