@@ -71,3 +71,70 @@ def bf16_cuda_worker(rank: int, world: int) -> None:
 
 def test_cuda_bf16_no_leak() -> None:
     run_distributed(bf16_cuda_worker, world(), backend=NCCL)
+
+
+# ---- real clients on GPUs (tests/test_clients.py) ----------------------------------------------
+
+CLIENT_CASES = ["llama:reentrant", "llama:non-reentrant", "lora:non-reentrant", "lora:reentrant"]
+
+
+def test_cuda_transformers_llama_with_its_checkpointing() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from test_clients import run_cases
+
+    per_rank = run_distributed(run_cases, world(), CLIENT_CASES, "cuda", backend=NCCL)
+    failed = {c: e for r in per_rank for c, e in r.items() if e}
+    assert not failed, "\n".join(f"{c}:\n{e}" for c, e in failed.items())
+
+
+def lora_peak_worker(rank: int, world: int, impl: str) -> int:
+    """Peak GPU memory of LoRA fine-tuning a ~0.4B Llama with checkpointing, per implementation."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    from test_clients import enable_checkpointing
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=1024,
+    )
+    with torch.device("cuda"):
+        model = tf.LlamaForCausalLM(cfg)
+    enable_checkpointing(model, reentrant=False)
+    model = get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard as shard
+    else:
+        from shardwise import fully_shard as shard
+    for layer in model.base_model.model.model.layers:
+        shard(layer)
+    shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (4, 1024), device="cuda")
+    for step in range(3):
+        if step == 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def test_cuda_lora_peak_memory_not_above_fsdp2() -> None:
+    pytest.importorskip("peft")
+    peaks = {
+        impl: max(run_distributed(lora_peak_worker, world(), impl, backend=NCCL, timeout=280))
+        for impl in ("fsdp2", "shardwise")
+    }
+    print(f"LoRA peak memory at {world()} GPUs: {peaks}")
+    assert peaks["shardwise"] <= peaks["fsdp2"], peaks

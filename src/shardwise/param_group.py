@@ -486,10 +486,8 @@ class ParamGroup:
             self.state = GroupState.UNSHARDED
             self._install_plain()
             return
-        self.unsharded_flat.untyped_storage().resize_(
-            self.unsharded_flat.numel() * self.unsharded_flat.element_size()
-        )
         if self.world == 1:
+            self._allocate_unsharded()
             self.unsharded_flat.copy_(self.flat)  # one casting copy is the whole "gather"
             self.state = GroupState.UNSHARDED
             self._install_plain()
@@ -497,14 +495,15 @@ class ParamGroup:
         src = (
             self.flat if self.compute_dtype == self.orig_dtype else self.flat.to(self.compute_dtype)
         )
-        direct = len(self.params) == 1  # rank-major == param-major
-        out = (
-            self.unsharded_flat
-            if direct
-            else torch.empty(
+        if len(self.params) == 1:  # rank-major == param-major: gather in place
+            self._allocate_unsharded()
+            out = self.unsharded_flat
+        else:
+            # The parameters' storage is allocated only at the copy-out: a
+            # gather in flight (a prefetch) holds one buffer, not two.
+            out = torch.empty(
                 self.world * self.shard_numel, dtype=self.compute_dtype, device=self.flat.device
             )
-        )
         self._gather_in, self._gather_out = src, out
         self._pending = collectives.all_gather(out, src, self.shard_group, self.label)
         self.state = GroupState.GATHERING
@@ -517,6 +516,7 @@ class ParamGroup:
         assert self._pending is not None and self._gather_out is not None
         self._pending.wait()
         if self._gather_out is not self.unsharded_flat:
+            self._allocate_unsharded()
             torch.split_with_sizes_copy(
                 self._gather_out.view(self.world, self.shard_numel),
                 [sp.slot for sp in self.params],
@@ -526,6 +526,11 @@ class ParamGroup:
         self._pending = self._gather_in = self._gather_out = None
         self.state = GroupState.UNSHARDED
         self._install_plain()
+
+    def _allocate_unsharded(self) -> None:
+        self.unsharded_flat.untyped_storage().resize_(
+            self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        )
 
     def _shards_version(self) -> int:
         # In-place updates through DTensor (optimizers) bump the parameter's own
@@ -614,8 +619,9 @@ class ParamGroup:
         """Start averaging the unsharded gradients; returns the job to finish later.
 
         ``grads`` has one entry per parameter of the group, ``None`` for those
-        without a gradient (frozen, unused). With gradient sync off, gradients are summed locally instead and the
-        first synced backward reduces that sum once.
+        without a gradient (frozen, unused). With gradient sync off, gradients
+        are summed locally instead and the first synced backward reduces that
+        sum once.
         """
         grads = [None if g is None else g.to(self.reduce_dtype) for g in grads]
         if not self.requires_gradient_sync:
@@ -669,18 +675,24 @@ class ReduceJob:
             self.shards: list[Any] = [t.contiguous() if t is not None else t for t in grads]
             return
         device = g.flat.device
-        # Every parameter owns a slot in the flat layout; frozen and unused ones
-        # contribute zeros.
+        # The flat layout restricted to the parameters that can have gradients:
+        # the trainable ones (the same on every rank; unused ones send zeros)
+        # and any that got one. A LoRA layer reduces its adapters, not zeros
+        # the size of its frozen base.
+        self.members = [
+            sp for sp, t in zip(g.params, grads) if t is not None or sp.sharded.requires_grad
+        ]
         filled = [
             t if t is not None else torch.zeros(sp.shape, dtype=g.reduce_dtype, device=device)
-            for sp, t in zip(g.params, grads)
+            for sp, t in ((sp, grads[sp.index]) for sp in self.members)
         ]
-        self.out = torch.empty(g.shard_numel, dtype=g.reduce_dtype, device=device)
+        numel = sum(sp.slot for sp in self.members)
+        self.out = torch.empty(numel, dtype=g.reduce_dtype, device=device)
         if g.world == 1:
             torch._chunk_cat(filled, dim=0, num_chunks=1, out=self.out.view(1, -1))
             self._rs_in = None
         else:
-            self._rs_in = torch.empty(g.world, g.shard_numel, dtype=g.reduce_dtype, device=device)
+            self._rs_in = torch.empty(g.world, numel, dtype=g.reduce_dtype, device=device)
             torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
             self._pending = collectives.reduce_scatter_mean(
                 self.out, self._rs_in.view(-1), g.shard_group, g.label
@@ -696,10 +708,13 @@ class ReduceJob:
         if not self.shards:
             if g.replicate_group is not None:
                 collectives.all_reduce_mean(self.out, g.replicate_group, g.label).wait()
-            self.shards = [
-                self.out[sp.offset : sp.offset + sp.local_numel].view(sp.local_shape)
-                for sp in g.params
-            ]
+            self.shards = [None] * len(g.params)
+            offset = 0
+            for sp in self.members:
+                self.shards[sp.index] = self.out[offset : offset + sp.local_numel].view(
+                    sp.local_shape
+                )
+                offset += sp.slot
         g.assign_grads(self.shards, self.used)
 
 
