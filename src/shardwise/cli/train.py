@@ -303,7 +303,9 @@ def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
 
 
 def train(args: argparse.Namespace) -> int:
-    stop = StopRequest()  # first: a signal during start-up must not kill us mid-write
+    # Signals only raise a flag from here on; until the process group is
+    # joined, the entry script still ends the worker at once (cli/worker.py).
+    stop = StopRequest()
     stop_when_orphaned()
     w = init_worker()
     try:
@@ -322,8 +324,8 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
 
     from .. import checkpoint
     from ..data import BatchSampler, eval_offsets, load_corpus, windows
+    from ..fsdp_module import FSDPModule
     from ..models.gpt import GPT, GPTConfig, num_params, shard_model
-    from ..module import FSDPModule
     from ..precision import MixedPrecisionPolicy
     from ..trace import trace
 
