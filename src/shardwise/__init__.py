@@ -11,8 +11,8 @@ See docs/design.md for the lifecycle every sharded module follows.
 from .api import fully_shard, hsdp_mesh, no_sync
 from .clip import clip_grad_norm_
 from .context import FSDPContext, LifecycleError, Phase
+from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .materialize import materialize
-from .module import FSDPModule, UnshardHandle
 from .precision import MixedPrecisionPolicy
 from .trace import Tracer, trace
 
@@ -29,6 +29,7 @@ __all__ = [
     "hsdp_mesh",
     "materialize",
     "no_sync",
+    "register_fsdp_forward_method",
     "trace",
 ]
 __version__ = "0.1.0"

@@ -18,9 +18,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from .module import FSDPModule, ModuleState
-from .param_group import ParamGroup, TPLayout, compose_tp
+from .fsdp_module import FSDPModule
+from .module import ModuleState
+from .param_group import ParamGroup
 from .precision import MixedPrecisionPolicy
+from .tensor_parallel import TPLayout, compose_tp
 
 # Original parameter objects already taken by some fully_shard call: a second
 # owner would silently untie them.

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .module import FSDPModule
+from .fsdp_module import FSDPModule
 
 __all__ = ["DamagedCheckpoint", "full_state_dict", "load", "load_full_state_dict", "save", "verify"]
 

@@ -91,34 +91,67 @@ def _notify(kind: str, t: torch.Tensor, group_size: int, label: str, p: Pending)
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str = ""
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str = "",
+    comm: Any = None,
 ) -> Pending:
-    """Gather every rank's ``input`` into ``output`` (rank-major), asynchronously."""
-    work = _all_gather(output, input, group=group, async_op=True)
+    """Gather every rank's ``input`` into ``output`` (rank-major), asynchronously.
+
+    ``comm``: a user's all-gather (``FSDPModule.set_custom_all_gather``),
+    called as FSDP2 calls it: ``comm(output_tensor=..., input_tensor=...,
+    group=..., async_op=True)``, returning a work handle or None.
+    """
+    if comm is None:
+        work = _all_gather(output, input, group=group, async_op=True)
+    else:
+        work = comm(output_tensor=output, input_tensor=input, group=group, async_op=True)
     p = Pending(work, label=label)
     _notify("all_gather", output, dist.get_world_size(group), label, p)
     return p
 
 
-def reduce_scatter_mean(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, label: str = ""
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str = "",
+    divide_by: float | None = None,
+    comm: Any = None,
 ) -> Pending:
-    """Average ``input`` over the group; this rank keeps its slice in ``output``.
+    """Sum ``input`` over the group, this rank keeping its slice in ``output``,
+    then divide it by ``divide_by`` (the group size: the mean).
 
-    AVG is not a reduce op every backend has on every torch we support, so we
-    sum and divide the (small) output once the reduction is done.
+    Sum, then divide the (small) output: AVG and PREMUL_SUM are not reduce
+    ops every backend has (gloo has neither) on every torch we support.
+    ``comm``: a user's reduce-scatter (``set_custom_reduce_scatter``), called
+    as ``comm(output_tensor=..., input_tensor=..., group=..., op=SUM, async_op=True)``.
     """
     n = dist.get_world_size(group)
-    work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    p = Pending(work, then=lambda: output.div_(n), label=label)
+    if comm is None:
+        work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    else:
+        work = comm(
+            output_tensor=output,
+            input_tensor=input,
+            group=group,
+            op=dist.ReduceOp.SUM,
+            async_op=True,
+        )
+    then = None if divide_by is None else (lambda: output.div_(divide_by))
+    p = Pending(work, then=then, label=label)
     _notify("reduce_scatter", input, n, label, p)
     return p
 
 
-def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup, label: str = "") -> Pending:
-    """Average ``tensor`` in place over the group (HSDP's replicate dimension)."""
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, label: str = "", divide_by: float | None = None
+) -> Pending:
+    """Sum ``tensor`` in place over the group (HSDP's replicate dimension), then divide."""
     n = dist.get_world_size(group)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    p = Pending(work, then=lambda: tensor.div_(n), label=label)
+    then = None if divide_by is None else (lambda: tensor.div_(divide_by))
+    p = Pending(work, then=then, label=label)
     _notify("all_reduce", tensor, n, label, p)
     return p

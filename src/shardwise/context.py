@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -126,6 +126,8 @@ class FSDPContext:
         self.fwd = Recording()
         self.bwd = Recording()
         self._in_forward = False
+        self.is_last_backward = True
+        self.post_optim_event: Any = None  # waited on before the next forward's gathers
 
     def __repr__(self) -> str:
         return f"FSDPContext(root={self.root.label!r}, modules={len(self.states)}, phase={self.phase.name})"
@@ -141,6 +143,9 @@ class FSDPContext:
                 s.reshard_now()
             if s.group is not None:
                 s.group.detach_autograd()  # a new forward pass: one attachment per module
+        if self.post_optim_event is not None:
+            self.post_optim_event.wait()  # one event per step: FSDP2 discards it too
+            self.post_optim_event = None
         self.fwd.start()
         self._in_forward = True
         tracer = active_trace()
@@ -195,14 +200,24 @@ class FSDPContext:
             s.on_backward_end()
         self.phase = Phase.IDLE
 
-    def finish_reduces(self) -> None:
-        jobs, self.pending_reduces = self.pending_reduces, []
+    def finish_reduces(self, keep: int = 0) -> None:
+        """Finish the reductions in flight, all but the newest ``keep``."""
+        n = len(self.pending_reduces) - keep
+        if n <= 0:
+            return
+        jobs, self.pending_reduces = self.pending_reduces[:n], self.pending_reduces[n:]
         for job in jobs:
             job.finish()
 
     def _final_callback(self) -> None:
-        """End of backward: every reduction done, every module sharded and IDLE."""
-        self.finish_reduces()
+        """End of backward: every reduction done, every module sharded and IDLE.
+
+        Unless ``set_is_last_backward(False)`` said more backwards come before
+        the optimizer (microbatches): then reductions may stay in flight; the
+        next backward finishes them.
+        """
+        if self.is_last_backward:
+            self.finish_reduces()
         error = None
         if self.check:
             from .check import check_backward_end

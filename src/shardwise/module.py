@@ -1,4 +1,4 @@
-"""A sharded module: its hooks (``ModuleState``) and its public face (``FSDPModule``).
+"""A sharded module's hooks (``ModuleState``); its public face is fsdp_module.py.
 
 The four hooks and what each one does to this module's ``ParamGroup``:
 
@@ -55,6 +55,8 @@ class ModuleState:
         self.reshard_after_forward_setting = reshard_after_forward
         self.reshard_after_forward = reshard_after_forward is not False
         self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.max_reduces_in_flight = 1  # set_reduce_scatter_max_input_buffers
         self.mp_policy = mp_policy
         self.prefetch = prefetch
         self.group: ParamGroup | None = None
@@ -84,7 +86,7 @@ class ModuleState:
         """The first forward of an outermost sharded module makes it the root."""
         states = []
         for name, m in self.module.named_modules():
-            if isinstance(m, FSDPModule):
+            if hasattr(m, "_shardwise_state"):  # an FSDPModule
                 s = m._shardwise_state
                 s.label = name or s.label  # the root keeps its class name
                 if s.group is not None:
@@ -119,8 +121,11 @@ class ModuleState:
             # Nothing to hide: a one-rank "gather" is a cast on the compute
             # stream, and gathering ahead would only hold memory sooner.
             prefetch = []
+        in_backward = self.context is not None and self.context.phase is Phase.BACKWARD
         for s in prefetch:
             g = s.group
+            if in_backward and not s.unshard_in_backward:
+                continue  # its backward needs no parameters
             if g is not None and not s.backward_done and g.state is GroupState.SHARDED:
                 g.unshard()
                 g.prefetched = True
@@ -224,6 +229,8 @@ class ModuleState:
         needs = ctx.backward_needs(self)
         targets = self.bwd_targets if self.bwd_targets is not None else needs
         self._set_phase(Phase.BACKWARD)
+        if not self.unshard_in_backward:
+            return  # the user's promise: no parameter of this module is needed (an embedding)
         self._gather(targets if targets is not None else self.bwd_default)
         if self.group is not None:
             # Checkpointing inside this module recomputes its body next, without
@@ -244,8 +251,9 @@ class ModuleState:
             # post-forward hooks: the recompute span ends here at the latest.
             tracer.end("recompute", self.label)
         if grads is not None:
-            # One reduction in flight at a time bounds the gradient memory held.
-            ctx.finish_reduces()
+            # One reduction in flight at a time (by default) bounds the gradient
+            # memory held.
+            ctx.finish_reduces(keep=self.max_reduces_in_flight - 1)
             job = self.group.reduce_grads(grads)
             if job is not None:
                 ctx.pending_reduces.append(job)
@@ -306,118 +314,3 @@ class _AfterInputGrads(torch.autograd.Function):
 def _autograd_running() -> bool:
     """Whether this thread is inside an autograd backward pass right now."""
     return torch._C._current_graph_task_id() != -1
-
-
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it."""
-
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_unsharded()
-            self._group = None
-
-
-class FSDPModule:
-    """Mixed into a module's class by ``fully_shard``; torch's FSDPModule methods."""
-
-    _shardwise_state: ModuleState
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        """Constructing the ``FSDP<Name>`` class directly builds a plain ``<Name>``.
-
-        Containers make new instances of their own class: slicing a sharded
-        ``nn.Sequential`` (``model[:2]``) calls ``type(model)(...)``. That new
-        container was never sharded (its children are), so it gets the
-        original class. Without arguments (copy, pickle) the class is kept.
-        """
-        if not args and not kwargs:
-            return super().__new__(cls)
-        orig = cls.__mro__[2]  # FSDP<Name>, FSDPModule, <Name>
-        obj = orig.__new__(orig, *args, **kwargs)
-        obj.__init__(*args, **kwargs)
-        return obj
-
-    @property
-    def phase(self) -> Phase:
-        return self._shardwise_state.phase
-
-    @property
-    def fsdp_context(self) -> FSDPContext | None:
-        """The shared root context (None until the first forward)."""
-        return self._shardwise_state.context
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        state = self._shardwise_state
-        group = state.group
-        if state.context is not None and state.context.check:
-            state.context.log(f"{state.label}: unshard() called directly")
-        if group is not None:
-            group.unshard()
-        handle = UnshardHandle(group)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        self._shardwise_state.reshard_now()
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        self._shardwise_state.fwd_targets = [_state_of(m, "forward prefetch") for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        self._shardwise_state.bwd_targets = [_state_of(m, "backward prefetch") for m in modules]
-
-    def _sharded_states(self, recurse: bool) -> list[ModuleState]:
-        if not recurse:
-            return [self._shardwise_state]
-        return [m._shardwise_state for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
-
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, *, recurse: bool = True
-    ) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(
-                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
-            )
-        for s in self._sharded_states(recurse):
-            s.reshard_after_forward = s.reshard_after_forward_setting = reshard_after_forward
-
-    def set_reshard_after_backward(
-        self, reshard_after_backward: bool, *, recurse: bool = True
-    ) -> None:
-        """Keep parameters gathered after backward (e.g. between accumulation microbatches)."""
-        for s in self._sharded_states(recurse):
-            s.reshard_after_backward = reshard_after_backward
-
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ) -> None:
-        """While False, backward sums gradients locally with no communication."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(
-                f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}"
-            )
-        for s in self._sharded_states(recurse):
-            if s.group is not None:
-                s.group.requires_gradient_sync = requires_gradient_sync
-
-    def reset_iter_state(self) -> None:
-        """Recover after an exception in forward or backward (FSDP2's name).
-
-        Finishes reductions in flight, reshards every module and returns all
-        of them to ``IDLE``, so the parameters are the sharded leaves again
-        (an optimizer can be built on them) before the next forward.
-        """
-        ctx = self._shardwise_state.context
-        if ctx is not None:
-            ctx.reset()
-
-
-def _state_of(m: Any, what: str) -> ModuleState:
-    if not isinstance(m, FSDPModule):
-        raise TypeError(f"{what}: {type(m).__name__} is not sharded; call fully_shard on it first")
-    return m._shardwise_state

@@ -40,8 +40,9 @@ Tensor parallel parameters (DTensors on a ``tp`` mesh, from torch's
 ``parallelize_module``) are sharded like any other, but what this group
 shards is each rank's TP-local piece: the flat layout, the all-gather and the
 reduce-scatter only ever see TP-local tensors, over the dp group. ``TPLayout``
-says how the two splits compose into one DTensor on the (dp, tp) mesh, and
-wraps the gathered TP-local piece back into the DTensor the TP module expects.
+(tensor_parallel.py) says how the two splits compose into one DTensor on the
+(dp, tp) mesh, and wraps the gathered TP-local piece back into the DTensor the
+TP module expects.
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
 from . import collectives
 from .precision import MixedPrecisionPolicy, resolve_dtypes
+from .tensor_parallel import TPLayout, contiguous_stride
 from .trace import active as active_trace
 
 if TYPE_CHECKING:
@@ -76,125 +77,6 @@ class GroupState(Enum):
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor without going through autograd (hot path)."""
     return t._local_tensor  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True)
-class TPLayout:
-    """How tensor parallelism split a parameter before this group shards its TP-local piece.
-
-    Built by ``compose_tp`` (which validates); the group then treats the
-    TP-local piece as the parameter and uses this only to make DTensors.
-    """
-
-    mesh: DeviceMesh  # the 1-D tp mesh the parameter came on
-    placements: tuple[Placement, ...]  # its placement there: (Shard(d),) or (Replicate(),)
-    shape: torch.Size  # the full parameter
-    stride: tuple[int, ...]
-    sharded_mesh: DeviceMesh  # (dp, tp), or (replicate, shard, tp): the sharded parameter's
-    sharded_placements: tuple[Placement, ...]
-
-    def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        """The gathered TP-local piece as the tp-mesh DTensor TP modules expect.
-
-        ``from_local`` is differentiable: autograd reaches ``_Unsharded`` through
-        it, and its backward hands back the local gradient in this placement
-        (a TP ``Partial`` gradient is all-reduced over tp there, as in plain TP).
-        """
-        return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
-        )
-
-    def constant(self, local: torch.Tensor) -> torch.Tensor:
-        """The same DTensor without autograd (no-grad forwards): made once, reused."""
-        spec = DTensorSpec(
-            self.mesh, self.placements, TensorMeta(self.shape, self.stride, local.dtype)
-        )
-        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
-
-
-def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    get = getattr(mesh, "_get_root_mesh", None)  # torch >= 2.9
-    if get is not None:
-        return get()
-    from torch.distributed.device_mesh import _mesh_resources  # torch 2.6 - 2.8
-
-    return _mesh_resources.get_root_mesh(mesh)
-
-
-def compose_tp(fqn: str, p: DTensor, mesh: DeviceMesh) -> TPLayout:
-    """Validate a tensor parallel parameter against the FSDP ``mesh``; say how they compose.
-
-    ``mesh`` (dp, or (replicate, shard) for HSDP) and the parameter's 1-D tp
-    mesh must be sub-meshes of one root mesh, with the tp dimension after the
-    data-parallel ones. Rows of the TP-local piece are chunked over dp (like
-    any parameter). When tp also splits dim 0, that is "tp first, then dp",
-    which DTensor's left-to-right placements spell ``_StridedShard(0, tp)`` on
-    dp; then dim 0 must split evenly over tp x dp. Raises ``ValueError``
-    naming the parameter otherwise.
-    """
-    tp_mesh, placements = p.device_mesh, tuple(p.placements)
-    how = (
-        "build one mesh, e.g. mesh = init_device_mesh(device, (dp, tp), "
-        "mesh_dim_names=('dp', 'tp')), parallelize with mesh['tp'] and pass "
-        "fully_shard(..., mesh=mesh['dp'])"
-    )
-    if tp_mesh.ndim != 1 or not all(type(pl) is Shard or pl.is_replicate() for pl in placements):
-        raise ValueError(
-            f"parameter {fqn!r} is a DTensor with placements {placements} on a "
-            f"{tp_mesh.ndim}-D mesh; fully_shard composes with 1-D tensor parallelism only "
-            "(Shard or Replicate on one tp mesh dimension)"
-        )
-    tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
-    dp_names = tuple(mesh.mesh_dim_names or ())
-    if tp_name is not None and tp_name in dp_names:
-        raise ValueError(
-            f"parameter {fqn!r} is tensor parallel over mesh dimension {tp_name!r}, which is "
-            f"also given as the FSDP mesh (dimensions {dp_names}); FSDP must shard over the "
-            f"other, data-parallel dimension: {how}"
-        )
-    root = _root_mesh(tp_mesh)
-    if tp_name is None or not dp_names or root is tp_mesh or _root_mesh(mesh) is not root:
-        raise ValueError(
-            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh}, and the FSDP mesh {mesh} is not "
-            "a data-parallel sub-mesh of the same root mesh (was the model parallelized on "
-            f"another mesh?); {how}"
-        )
-    order = list(root.mesh_dim_names or ())
-    if not set(dp_names) <= set(order):
-        raise ValueError(
-            f"parameter {fqn!r}: the FSDP mesh's dimensions {dp_names} are not dimensions of "
-            f"the root mesh {tuple(order)} (a flattened mesh?); pass a sub-mesh sliced by name"
-        )
-    if max(order.index(n) for n in dp_names) > order.index(tp_name):
-        raise ValueError(
-            f"parameter {fqn!r}: the tp dimension {tp_name!r} comes before the data-parallel "
-            f"dimensions {dp_names} in the mesh {tuple(order)}; put tp last (innermost)"
-        )
-    pl = placements[0]
-    if isinstance(pl, Shard) and pl.dim < 0:
-        pl = Shard(pl.dim + p.ndim)
-    tp_size, dp_size = tp_mesh.size(), mesh.size(mesh.ndim - 1)
-    dp_placement: Placement = Shard(0)
-    if isinstance(pl, Shard) and pl.dim == 0 and tp_size > 1:
-        # DTensor's _StridedShard needs even pieces (torch 2.6 checks it; later
-        # releases accept some uneven splits, but not all of them line up).
-        if p.shape[0] % (tp_size * dp_size):
-            raise ValueError(
-                f"parameter {fqn!r} has {p.shape[0]} rows, split over tp={tp_size} and then "
-                f"over dp={dp_size}; DTensor describes that two-level split of dim 0 only when "
-                f"it is even (else full_tensor and checkpoints would be wrong): make dim 0 a "
-                f"multiple of {tp_size * dp_size}"
-            )
-        dp_placement = _StridedShard(0, split_factor=tp_size)
-    replicate: tuple[Placement, ...] = (Replicate(),) if mesh.ndim == 2 else ()
-    return TPLayout(
-        tp_mesh,
-        (pl,),
-        p.shape,
-        _contiguous_stride(p.shape),
-        root[(*dp_names, tp_name)],
-        (*replicate, dp_placement, pl),
-    )
 
 
 @dataclass
@@ -283,6 +165,15 @@ class ParamGroup:
         self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
         self.state = GroupState.SHARDED
         self.requires_gradient_sync = True
+        # FSDP2's reduction settings (FSDPModule.set_*; docs/design.md).
+        self.divide_factor: float | None = None  # None: the mean over every data-parallel rank
+        self.requires_all_reduce = True  # HSDP: False holds reduce-scattered sums back
+        self.reduce_scatter_unused = False  # give every trainable parameter a gradient
+        self.all_reduce_hook: Any = None  # called on the reduced shard, before assignment
+        self.custom_all_gather: Any = None
+        self.custom_reduce_scatter: Any = None
+        self.reduce_scatter_group = self.shard_group  # or a separate one, to overlap gathers
+        self._partial: tuple[list[int], torch.Tensor] | None = None  # (members, summed shard)
         self.prefetched = False  # gathered by another module's prefetch, not yet used
         self.last_used: list[bool] | None = None  # which parameters got gradients last time
         self._pending: collectives.Pending | None = None
@@ -366,7 +257,7 @@ class ParamGroup:
                 placements,
                 run_check=False,
                 shape=shape,
-                stride=_contiguous_stride(shape),
+                stride=contiguous_stride(shape),
             )
             sp.sharded = nn.Parameter(dt, requires_grad=grad)
             self._locals.append(local_of(sp.sharded))
@@ -443,7 +334,7 @@ class ParamGroup:
         for sp in self.params:
             start = sp.offset * self.world
             sp.unsharded = torch.empty(0, dtype=self.compute_dtype, device=device).set_(
-                storage, start, sp.shape, _contiguous_stride(sp.shape)
+                storage, start, sp.shape, contiguous_stride(sp.shape)
             )
             sp.plain = sp.unsharded if sp.tp is None else sp.tp.constant(sp.unsharded)
         # Rank-major gather output -> param-major parameters, one kernel.
@@ -505,7 +396,9 @@ class ParamGroup:
                 self.world * self.shard_numel, dtype=self.compute_dtype, device=self.flat.device
             )
         self._gather_in, self._gather_out = src, out
-        self._pending = collectives.all_gather(out, src, self.shard_group, self.label)
+        self._pending = collectives.all_gather(
+            out, src, self.shard_group, self.label, self.custom_all_gather
+        )
         self.state = GroupState.GATHERING
 
     def wait_unsharded(self) -> None:
@@ -663,18 +556,17 @@ class ParamGroup:
 
 
 class ReduceJob:
-    """A module's gradient reduction in flight: reduce-scatter, then (HSDP) all-reduce."""
+    """A module's gradient reduction in flight: reduce-scatter, then (HSDP) all-reduce.
+
+    The default averages over every data-parallel rank: the reduce-scatter
+    divides by the shard group's size, the all-reduce by the replicas'. A
+    custom divide factor sums throughout and divides once at the end (what
+    FSDP2 does with ``PREMUL_SUM``, which gloo lacks).
+    """
 
     def __init__(self, group: ParamGroup, grads: list[torch.Tensor | None], used: list[bool]):
-        self.group = group
-        self.used = used
-        g = group
+        g = self.group = group
         self._pending: collectives.Pending | None = None
-        if g.world == 1 and g.replicate_group is None:
-            # Nothing to average: the gradients are the shards.
-            self.shards: list[Any] = [t.contiguous() if t is not None else t for t in grads]
-            return
-        device = g.flat.device
         # The flat layout restricted to the parameters that can have gradients:
         # the trainable ones (the same on every rank; unused ones send zeros)
         # and any that got one. A LoRA layer reduces its adapters, not zeros
@@ -682,10 +574,23 @@ class ReduceJob:
         self.members = [
             sp for sp, t in zip(g.params, grads) if t is not None or sp.sharded.requires_grad
         ]
-        filled = [
-            t if t is not None else torch.zeros(sp.shape, dtype=g.reduce_dtype, device=device)
-            for sp, t in ((sp, grads[sp.index]) for sp in self.members)
-        ]
+        if g.reduce_scatter_unused:
+            # Every rank assigns every member: a parameter used on some ranks
+            # only gets the mean (zeros from the others) everywhere.
+            member = {sp.index for sp in self.members}
+            used = [u or sp.index in member for sp, u in zip(g.params, used)]
+        self.used = used
+        hsdp = g.replicate_group is not None
+        plain = g.divide_factor is None and g.all_reduce_hook is None
+        if g.world == 1 and not hsdp and plain:
+            # Nothing to average: the gradients are the shards.
+            if g.reduce_scatter_unused:
+                grads = _zeros_for(g, grads, self.members)
+            self.shards: list[Any] = [None if t is None else t.contiguous() for t in grads]
+            return
+        device = g.flat.device
+        padded = _zeros_for(g, grads, self.members)
+        filled = [t for t in (padded[sp.index] for sp in self.members) if t is not None]
         numel = sum(sp.slot for sp in self.members)
         self.out = torch.empty(numel, dtype=g.reduce_dtype, device=device)
         if g.world == 1:
@@ -694,8 +599,13 @@ class ReduceJob:
         else:
             self._rs_in = torch.empty(g.world, numel, dtype=g.reduce_dtype, device=device)
             torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
-            self._pending = collectives.reduce_scatter_mean(
-                self.out, self._rs_in.view(-1), g.shard_group, g.label
+            self._pending = collectives.reduce_scatter(
+                self.out,
+                self._rs_in.view(-1),
+                g.reduce_scatter_group,
+                g.label,
+                divide_by=None if g.divide_factor is not None else g.world,
+                comm=g.custom_reduce_scatter,
             )
         self.shards = []
 
@@ -706,21 +616,51 @@ class ReduceJob:
             self._pending.wait()
             self._pending = self._rs_in = None
         if not self.shards:
+            out = self.out
             if g.replicate_group is not None:
-                collectives.all_reduce_mean(self.out, g.replicate_group, g.label).wait()
+                if not self._all_reduce(out):
+                    return  # held back (set_requires_all_reduce(False)): no gradient yet
+            if g.divide_factor is not None:
+                out.div_(g.divide_factor)
+            if g.all_reduce_hook is not None:
+                g.all_reduce_hook(out)
             self.shards = [None] * len(g.params)
             offset = 0
             for sp in self.members:
-                self.shards[sp.index] = self.out[offset : offset + sp.local_numel].view(
-                    sp.local_shape
-                )
+                self.shards[sp.index] = out[offset : offset + sp.local_numel].view(sp.local_shape)
                 offset += sp.slot
         g.assign_grads(self.shards, self.used)
 
+    def _all_reduce(self, out: torch.Tensor) -> bool:
+        """HSDP: average ``out`` over the replicas, with sums held back before; False to hold."""
+        g = self.group
+        assert g.replicate_group is not None
+        members = [sp.index for sp in self.members]
+        if g._partial is not None:
+            held, partial = g._partial
+            if held != members:
+                raise RuntimeError(
+                    f"module {g.label!r}: the trainable parameters changed while reductions "
+                    "were held back by set_requires_all_reduce(False); change requires_grad "
+                    "only after a backward that all-reduces"
+                )
+            out.add_(partial)
+            g._partial = None
+        if not g.requires_all_reduce:
+            g._partial = (members, out)
+            return False
+        replicas = g.replicate_group.size()
+        divide = None if g.divide_factor is not None else replicas
+        collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide).wait()
+        return True
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
+
+def _zeros_for(
+    g: ParamGroup, grads: list[torch.Tensor | None], members: list[ShardedParam]
+) -> list[torch.Tensor | None]:
+    """``grads`` with zeros for members that got none (unused on this rank)."""
+    out = list(grads)
+    for sp in members:
+        if out[sp.index] is None:
+            out[sp.index] = torch.zeros(sp.shape, dtype=g.reduce_dtype, device=g.flat.device)
+    return out

@@ -324,8 +324,8 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
 
     from .. import checkpoint
     from ..data import BatchSampler, eval_offsets, load_corpus, windows
+    from ..fsdp_module import FSDPModule
     from ..models.gpt import GPT, GPTConfig, num_params, shard_model
-    from ..module import FSDPModule
     from ..precision import MixedPrecisionPolicy
     from ..trace import trace
 

@@ -1,0 +1,322 @@
+"""``FSDPModule``: the public face ``fully_shard`` mixes into a module's class.
+
+torch's ``FSDPModule`` methods with FSDP2's meaning (the README has the table
+of every FSDP2 name and its status here). Each method only records a setting
+on the module's ``ModuleState``, its ``ParamGroup`` or the root's context;
+the hooks (module.py) and the reduction (param_group.py) read it. Settings
+that cannot apply on a backend say so naming it, and change nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from .context import FSDPContext, Phase
+from .module import ModuleState
+from .param_group import ParamGroup
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it."""
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_unsharded()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixed into a module's class by ``fully_shard``; torch's FSDPModule methods."""
+
+    _shardwise_state: ModuleState
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Constructing the ``FSDP<Name>`` class directly builds a plain ``<Name>``.
+
+        Containers make new instances of their own class: slicing a sharded
+        ``nn.Sequential`` (``model[:2]``) calls ``type(model)(...)``. That new
+        container was never sharded (its children are), so it gets the
+        original class. Without arguments (copy, pickle) the class is kept.
+        """
+        if not args and not kwargs:
+            return super().__new__(cls)
+        orig = cls.__mro__[2]  # FSDP<Name>, FSDPModule, <Name>
+        obj = orig.__new__(orig, *args, **kwargs)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    @property
+    def phase(self) -> Phase:
+        return self._shardwise_state.phase
+
+    @property
+    def fsdp_context(self) -> FSDPContext | None:
+        """The shared root context (None until the first forward)."""
+        return self._shardwise_state.context
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        state = self._shardwise_state
+        group = state.group
+        if state.context is not None and state.context.check:
+            state.context.log(f"{state.label}: unshard() called directly")
+        if group is not None:
+            group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        self._shardwise_state.reshard_now()
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._shardwise_state.fwd_targets = [_state_of(m, "forward prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._shardwise_state.bwd_targets = [_state_of(m, "backward prefetch") for m in modules]
+
+    def _sharded_states(self, recurse: bool) -> list[ModuleState]:
+        if not recurse:
+            return [self._shardwise_state]
+        return [m._shardwise_state for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
+
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
+            )
+        for s in self._sharded_states(recurse):
+            s.reshard_after_forward = s.reshard_after_forward_setting = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Keep parameters gathered after backward (e.g. between accumulation microbatches)."""
+        for s in self._sharded_states(recurse):
+            s.reshard_after_backward = reshard_after_backward
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """While False, backward sums gradients locally with no communication."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                f"set_requires_gradient_sync expects a bool, got {requires_gradient_sync!r}"
+            )
+        for s in self._sharded_states(recurse):
+            if s.group is not None:
+                s.group.requires_gradient_sync = requires_gradient_sync
+
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        return [s.group for s in self._sharded_states(recurse) if s.group is not None]
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward needs none of this module's parameters (an embedding);
+        its pre-backward then gathers nothing."""
+        self._shardwise_state.unshard_in_backward = _bool(
+            "set_unshard_in_backward", unshard_in_backward
+        )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduced gradients are the sum over ranks divided by ``factor`` (default: the
+        number of data-parallel ranks, the mean). Works on gloo too: we sum, then
+        divide, where FSDP2 needs ``PREMUL_SUM``."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expects a number > 0, got {factor!r}")
+        for g in self._groups(recurse=True):
+            g.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2 for ``set_gradient_divide_factor``; the same here."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 code: shardwise's collectives always use SUM and divide
+        afterwards, so the gradients are the same either way."""
+        _bool("set_force_sum_reduction_for_comms", enable)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the next backward leaves its reductions in flight (more microbatches
+        follow before the optimizer); the backward after finishes them."""
+        ctx = self._root_context("set_is_last_backward")
+        ctx.is_last_backward = _bool("set_is_last_backward", is_last_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters but holds the sums back from the replicate
+        all-reduce (accumulating microbatches); the next backward with True
+        all-reduces them together and only then sets ``.grad``."""
+        flag = _bool("set_requires_all_reduce", requires_all_reduce)
+        for g in self._groups(recurse):
+            g.requires_all_reduce = flag
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """True: every trainable parameter gets a gradient on every rank, also where a
+        rank did not use it (the mean over all ranks, zeros from those that did not)."""
+        flag = _bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for g in self._groups(recurse):
+            g.reduce_scatter_unused = flag
+
+    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
+        """``hook(reduced)`` runs on every reduced gradient shard (after the HSDP
+        all-reduce, or after the reduce-scatter), in place, before ``.grad`` is set."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable, got {hook!r}")
+        for g in self._groups(recurse=True):
+            g.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """An event recorded after the optimizer step: the next forward's gathers wait
+        on it (once; set a new one each step)."""
+        if not hasattr(event, "wait"):
+            raise TypeError(f"set_post_optim_event expects a torch.Event, got {event!r}")
+        self._root_context("set_post_optim_event").post_optim_event = event
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """``comm(output_tensor=, input_tensor=, group=, async_op=)`` gathers this
+        module's flat shards instead of ``dist.all_gather_into_tensor``."""
+        if not callable(comm):
+            raise TypeError(f"set_custom_all_gather expects a callable, got {comm!r}")
+        for g in self._groups(recurse=False):
+            g.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` sums this
+        module's gradients instead of ``dist.reduce_scatter_tensor``."""
+        if not callable(comm):
+            raise TypeError(f"set_custom_reduce_scatter expects a callable, got {comm!r}")
+        for g in self._groups(recurse=False):
+            g.custom_reduce_scatter = comm
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many of this module's reductions may be in flight when the next one
+        starts (default 1): more hides a slow reduce-scatter, at their memory."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
+        for s in self._sharded_states(recurse):
+            s.max_reduces_in_flight = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Reduce-scatters on a process group of their own (over the same ranks), so
+        they need not queue behind gathers on one communicator."""
+        flag = _bool("set_separate_reduce_scatter_group", enable)
+        for g in self._groups(recurse):
+            g.reduce_scatter_group = _separate_group(g.shard_group) if flag else g.shard_group
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not available in shardwise yet on any backend (see the README's table)."""
+        _bool("set_allocate_memory_from_process_group_for_comm", enable)
+        if enable:
+            backend = _backend(self._shardwise_state)
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm(True): shardwise does not "
+                f"allocate communication buffers from the process group ({backend}) yet; "
+                "leave it off (the default): gathers and reductions work the same"
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Symmetric-memory all-gathers: NCCL only; refused elsewhere, naming the backend."""
+        actual = _backend(self._shardwise_state)
+        if backend != "NCCL" or "nccl" not in actual.lower():
+            raise ValueError(
+                f"set_symm_mem_for_comm({backend!r}): symmetric memory needs NCCL, but this "
+                f"module's process group uses {actual}"
+            )
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: shardwise's all-gathers do not use symmetric memory yet"
+        )
+
+    def _root_context(self, what: str) -> FSDPContext:
+        ctx = self._shardwise_state.context
+        if ctx is None:
+            raise RuntimeError(f"{what}: run one forward through the root first")
+        return ctx
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward or backward (FSDP2's name).
+
+        Finishes reductions in flight, reshards every module and returns all
+        of them to ``IDLE``, so the parameters are the sharded leaves again
+        (an optimizer can be built on them) before the next forward.
+        """
+        ctx = self._shardwise_state.context
+        if ctx is not None:
+            ctx.reset()
+
+
+def _state_of(m: Any, what: str) -> ModuleState:
+    if not isinstance(m, FSDPModule):
+        raise TypeError(f"{what}: {type(m).__name__} is not sharded; call fully_shard on it first")
+    return m._shardwise_state
+
+
+def _bool(what: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} expects a bool, got {value!r}")
+    return value
+
+
+def _backend(state: ModuleState) -> str:
+    group = state.group.shard_group if state.group is not None else None
+    return str(dist.get_backend(group))
+
+
+_separate: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _separate_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """One extra process group per set of ranks (created collectively, once)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _separate:
+        made = dist.new_group(list(ranks), use_local_synchronization=True)
+        assert made is not None
+        _separate[ranks] = made
+    return _separate[ranks]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) gather and reshard like forward.
+
+    The method runs between the root's pre- and post-forward hooks, so every
+    sharded submodule it calls is gathered as in forward. Unlike FSDP2, a call
+    without grad (generation) leaves every module sharded afterwards, the
+    root included.
+    """
+    if not isinstance(module, FSDPModule):
+        raise TypeError(
+            f"register_fsdp_forward_method expects a module sharded by fully_shard, got "
+            f"{type(module).__name__}"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = module._shardwise_state
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        out = method(*args, **kwargs)
+        return state.post_forward(module, args, out)
+
+    setattr(module, method_name, wrapped)
