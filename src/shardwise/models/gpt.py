@@ -44,6 +44,8 @@ SIZES: dict[str, GPTConfig] = {
     "small": GPTConfig(seq_len=256, n_layer=6, n_head=6, d_model=384),
     # About 1.01B parameters: one H200, or several.
     "medium": GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048),
+    # 7B-class (6.5B parameters): with AdamW, two H200s or more.
+    "large": GPTConfig(seq_len=2048, n_layer=32, n_head=32, d_model=4096),
 }
 
 
