@@ -341,6 +341,10 @@ def bad_input_worker(rank: int, world: int) -> dict[str, str]:
         assert not isinstance(container, FSDPModule)
         assert not any(isinstance(p, DTensor) for p in container.parameters())
     expect("raf", TypeError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward="yes"))
+    expect("raf-int", TypeError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=2))
+    pair = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    expect("list", TypeError, lambda: fully_shard(pair))
+    assert not any(isinstance(p, DTensor) for m in pair for p in m.parameters())
     return msgs
 
 
@@ -358,6 +362,8 @@ def test_bad_input_gets_one_clear_error_and_changes_nothing() -> None:
     assert "ModuleList" in msgs["ModuleList"] and "forward" in msgs["ModuleList"]
     assert "ModuleDict" in msgs["ModuleDict"]
     assert "reshard_after_forward" in msgs["raf"]
+    assert "int" in msgs["raf-int"] and "not supported" in msgs["raf-int"]
+    assert "list of modules" in msgs["list"]
 
 
 def test_fully_shard_without_process_group_says_how_to_fix() -> None:

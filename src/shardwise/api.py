@@ -98,6 +98,11 @@ def fully_shard(
         raise ValueError(
             f"{type(module).__name__} is already sharded by fully_shard; call it once per module"
         )
+    if isinstance(module, (list, tuple)):
+        raise TypeError(
+            "fully_shard(list of modules): one group for several modules is not supported "
+            "by shardwise yet; call fully_shard on each module"
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
     if type(module).forward is nn.Module.forward:
@@ -107,8 +112,14 @@ def fully_shard(
             "for layer in model.layers: fully_shard(layer), then the module that calls them"
         )
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        hint = (
+            " (an int, resharding to a smaller group, is not supported by shardwise yet)"
+            if isinstance(reshard_after_forward, int)
+            else ""
+        )
         raise TypeError(
             f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}"
+            + hint
         )
     mesh = mesh if mesh is not None else default_mesh()
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
