@@ -138,3 +138,26 @@ def test_cuda_lora_peak_memory_not_above_fsdp2() -> None:
     }
     print(f"LoRA peak memory at {world()} GPUs: {peaks}")
     assert peaks["shardwise"] <= peaks["fsdp2"], peaks
+
+
+# ---- FSDP2's training semantics on GPUs (tests/test_semantics.py) ------------------------------
+
+SEMANTICS = {
+    "dataclass-fp32": ("dataclass_worker", (False,)),
+    "dataclass-bf16": ("dataclass_worker", (True,)),
+    "requires-grad-changes": ("requires_grad_worker", ()),
+    "reset-iter-state": ("reset_worker", ()),
+    "assign-sharded": ("assign_worker", ("sharded",)),
+    "assign-broadcast-from-rank0": ("assign_worker", ("broadcast-from-rank0",)),
+    "frozen-modules": ("frozen_worker", ()),
+}
+
+
+@pytest.mark.parametrize("case", list(SEMANTICS))
+def test_cuda_semantics(case: str) -> None:
+    import test_semantics
+
+    name, args = SEMANTICS[case]
+    out = run_distributed(getattr(test_semantics, name), world(), *args, "cuda", backend=NCCL)
+    if case == "frozen-modules":
+        assert out[0] <= 2, f"{out[0]} frozen blocks gathered at once in backward"

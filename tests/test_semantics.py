@@ -92,9 +92,9 @@ class DCNet(nn.Module):
         return Result(loss, logits)
 
 
-def dataclass_worker(rank: int, world: int, bf16: bool) -> None:
+def dataclass_worker(rank: int, world: int, bf16: bool, device: str = "cpu") -> None:
     torch.manual_seed(0)
-    ref = DCNet()
+    ref = DCNet().to(device)
     model = copy.deepcopy(ref)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
@@ -107,6 +107,7 @@ def dataclass_worker(rank: int, world: int, bf16: bool) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for idx in batches(3):
+        idx = idx.to(device)
         out = model(idx.chunk(world)[rank])
         assert isinstance(out, Result)
         # The loss inside the dataclass told the root that a backward follows.
@@ -124,13 +125,13 @@ def dataclass_worker(rank: int, world: int, bf16: bool) -> None:
         tol = 3e-2 if bf16 else 1e-5
         torch.testing.assert_close(global_mean(out.loss), ref_out.loss.detach(), atol=tol, rtol=tol)
     # output_dtype reaches tensors inside the block's dataclass, whose type is kept.
-    blocks_out = model.blocks[0](Hidden(torch.randn(2, 3, 8)))
+    blocks_out = model.blocks[0](Hidden(torch.randn(2, 3, 8, device=device)))
     assert type(blocks_out) is BlockOut and type(blocks_out.pair) is Pair
     if bf16:
         assert blocks_out.main.dtype == torch.float32
         assert blocks_out.pair.extras["deep"][0].dtype == torch.float32
     with torch.no_grad():
-        model(batches(1)[0].chunk(world)[rank])
+        model(batches(1)[0].chunk(world)[rank].to(device))
     assert not is_gathered(model)  # no backward follows a no-grad forward: all sharded
 
 
@@ -142,9 +143,9 @@ def test_dataclass_inputs_and_outputs(bf16: bool) -> None:
 # ---- requires_grad changed after fully_shard ---------------------------------------------------
 
 
-def requires_grad_worker(rank: int, world: int) -> None:
+def requires_grad_worker(rank: int, world: int, device: str = "cpu") -> None:
     torch.manual_seed(0)
-    ref = Net()
+    ref = Net().to(device)
     for p in ref.stages[1].parameters():
         p.requires_grad_(False)  # frozen before sharding
     model = copy.deepcopy(ref)
@@ -161,6 +162,7 @@ def requires_grad_worker(rank: int, world: int) -> None:
 
     frozen_at: dict[str, torch.Tensor] = {}
     for step, idx in enumerate(batches(4)):
+        idx = idx.to(device)
         if step == 1:
             schedule(model)
             schedule(ref)
@@ -183,8 +185,9 @@ def requires_grad_worker(rank: int, world: int) -> None:
             assert torch.equal(p.full_tensor(), frozen_at[n]), f"frozen {n} moved"
 
 
-def test_requires_grad_changed_after_fully_shard() -> None:
-    run_distributed(requires_grad_worker, 2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_requires_grad_changed_after_fully_shard(world: int) -> None:
+    run_distributed(requires_grad_worker, world)
 
 
 # ---- reset_iter_state after an exception --------------------------------------------------------
@@ -194,13 +197,12 @@ class Boom(RuntimeError):
     pass
 
 
-def reset_worker(rank: int, world: int) -> None:
+def reset_worker(rank: int, world: int, device: str = "cpu") -> None:
     torch.manual_seed(0)
-    ref = Net()
+    ref = Net().to(device)
     model = copy.deepcopy(ref)
     shard_net(model, {})
-    idx = batches(1)[0]
-    mine = idx.chunk(world)[rank]
+    mine = batches(1)[0].chunk(world)[rank].to(device)
 
     def leaves_again() -> None:
         model.reset_iter_state()
@@ -233,6 +235,7 @@ def reset_worker(rank: int, world: int) -> None:
     # Training goes on exactly as a fresh process would.
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for idx in batches(2, seed=2):
+        idx = idx.to(device)
         loss = loss_fn(model, idx.chunk(world)[rank])
         loss.backward()
         assert_between_steps(model)
@@ -277,11 +280,11 @@ def test_slicing_a_sharded_sequential() -> None:
 # ---- load_state_dict(assign=True) on the meta device ---------------------------------------------
 
 
-def assign_worker(rank: int, world: int, how: str) -> None:
+def assign_worker(rank: int, world: int, how: str, device: str = "cpu") -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     torch.manual_seed(0)
-    ref = Net()
+    ref = Net().to(device)
     with torch.device("meta"):
         model = Net()
     shard_net(model, {})
@@ -295,11 +298,12 @@ def assign_worker(rank: int, world: int, how: str) -> None:
         set_model_state_dict(model, full, options=options)
     assert model.head.weight is model.emb.weight, "the tie survives"
     for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
-        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor) and p.device.type == "cpu"
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor) and p.device.type == device
         torch.testing.assert_close(p.full_tensor(), rp.detach(), msg=n)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for idx in batches(2):
+        idx = idx.to(device)
         loss = loss_fn(model, idx.chunk(world)[rank])
         loss.backward()
         assert_between_steps(model)
@@ -309,9 +313,11 @@ def assign_worker(rank: int, world: int, how: str) -> None:
         torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["sharded", "broadcast-from-rank0"])
-def test_load_state_dict_assign_on_meta(how: str) -> None:
-    run_distributed(assign_worker, 2, how)
+@pytest.mark.parametrize(
+    "how,world", [("sharded", 2), ("broadcast-from-rank0", 2), ("broadcast-from-rank0", 3)]
+)
+def test_load_state_dict_assign_on_meta(how: str, world: int) -> None:
+    run_distributed(assign_worker, world, how)
 
 
 # ---- reshard_after_forward defaults, side by side with FSDP2 ---------------------------------------
@@ -369,10 +375,10 @@ def test_reshard_after_forward_defaults_match_fsdp2() -> None:
 # ---- frozen modules are resharded after their own backward ---------------------------------------
 
 
-def frozen_worker(rank: int, world: int) -> int:
+def frozen_worker(rank: int, world: int, device: str = "cpu") -> int:
     """A frozen backbone between a trainable embedding and head (a LoRA base is the same)."""
     torch.manual_seed(0)
-    ref = Net(n_stages=3)
+    ref = Net(n_stages=3).to(device)
     for stage in ref.stages:
         for p in stage.parameters():
             p.requires_grad_(False)
@@ -391,6 +397,7 @@ def frozen_worker(rank: int, world: int) -> int:
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     try:
         for idx in batches(3):
+            idx = idx.to(device)
             loss = loss_fn(model, idx.chunk(world)[rank])
             loss.backward()
             assert_between_steps(model)
