@@ -246,6 +246,63 @@ def train_case(rank: int, world: int, case: str, device: str = "cpu") -> None:
         )
 
 
+class TwoRegions(nn.Module):
+    """Two checkpointed regions in one sharded module (the root alone sharded)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.first, self.second = Body(16), Body(16)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(self.first, x, use_reentrant=self.reentrant)
+        return checkpoint(self.second, x, use_reentrant=self.reentrant)
+
+
+def pattern_case(rank: int, world: int, case: str, device: str = "cpu") -> None:
+    """How training loops call a model whose layers checkpoint themselves.
+
+    ``nograd-between``: a no-grad forward (a reference model pass, as TRL's
+    DPO does) between a forward and its backward. ``two-backwards``: two
+    forwards, then their backwards in reverse order. ``root-only``: only the
+    root sharded, holding several checkpointed regions.
+    """
+    kind, _, mode = case.partition(":")
+    reentrant = mode == "reentrant"
+    torch.manual_seed(0)
+    if kind == "root-only":
+        ref = Stack([TwoRegions(reentrant)]).to(device)
+    else:
+        ref = Stack([SelfCheckpointing(16, reentrant) for _ in range(2)]).to(device)
+    model = copy.deepcopy(ref)
+    if kind != "root-only":
+        for layer in model.layers:
+            fully_shard(layer)
+    fully_shard(model)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, VOCAB, (2 * world, SEQ), generator=g).to(device) for _ in range(2)]
+    mine = [i.chunk(world)[rank] for i in ids]
+    if kind == "nograd-between":
+        loss = stack_loss(model, mine[0])
+        with torch.no_grad():
+            stack_loss(model, mine[1])
+        loss.backward()
+        stack_loss(ref, ids[0]).backward()
+    elif kind == "two-backwards":
+        first, second = stack_loss(model, mine[0]), stack_loss(model, mine[1])
+        second.backward()
+        first.backward()
+        (stack_loss(ref, ids[0]) + stack_loss(ref, ids[1])).backward()
+    else:
+        stack_loss(model, mine[0]).backward()
+        stack_loss(ref, ids[0]).backward()
+    assert_between_steps(model)
+    tol = tolerance(device)
+    for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, f"{name} has no gradient"
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=tol, rtol=tol, msg=name)
+
+
 def lora_case(rank: int, world: int, case: str, device: str = "cpu") -> None:
     """PEFT LoRA on the Llama with its checkpointing: adapters match, the base never moves."""
     from peft import LoraConfig, get_peft_model
@@ -312,7 +369,9 @@ def run_cases(
     results: dict[str, str | None] = {}
     for case in cases:
         try:
-            (lora_case if case.startswith("lora") else train_case)(rank, world, case, device)
+            kind = case.partition(":")[0]
+            run = lora_case if kind == "lora" else pattern_case if kind in PATTERNS else train_case
+            run(rank, world, case, device)
             results[case] = None
         except Exception:  # noqa: BLE001 - reported by the case's own test
             results[case] = traceback.format_exc()
@@ -320,6 +379,7 @@ def run_cases(
 
 
 ARCHS = ["llama", "qwen2", "gpt2", "bert"]
+PATTERNS = ["nograd-between", "two-backwards", "root-only"]
 MODES = ["reentrant", "non-reentrant"]
 CASES_W2 = (
     [f"{a}:{m}" for a in ARCHS for m in MODES]
@@ -327,6 +387,7 @@ CASES_W2 = (
     + [f"wrapper:{m}" for m in MODES]
     + [f"handwritten:{m}" for m in MODES]
     + [f"lora:{m}" for m in MODES]
+    + [f"{p}:{m}" for p in PATTERNS for m in MODES]
 )
 CASES_W3 = ["llama:reentrant", "gpt2:non-reentrant", "wrapper:reentrant", "lora:non-reentrant"]
 

@@ -127,6 +127,10 @@ class FSDPContext:
         self.bwd = Recording()
         self._in_forward = False
         self.is_last_backward = True
+        # The module whose reduction waits for the rest of a backward (a reentrant
+        # checkpoint's inner pass reached it: module.py's post_backward).
+        self.held: ModuleState | None = None
+        self._outer_task = -1  # the autograd graph task of the current backward
         self.post_optim_event: Any = None  # waited on before the next forward's gathers
 
     def __repr__(self) -> str:
@@ -179,6 +183,7 @@ class FSDPContext:
         if self.phase is Phase.BACKWARD:
             return
         self.phase = Phase.BACKWARD
+        self._outer_task = torch._C._current_graph_task_id()
         self.bwd.start()
         if self.check:
             self.log("context: enter BACKWARD")
@@ -189,13 +194,34 @@ class FSDPContext:
             s.on_backward_start()
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
+    def nested_pass(self) -> bool:
+        """Whether autograd runs an inner backward of this backward now (a reentrant
+        checkpoint recomputes and backpropagates a region on its own)."""
+        return torch._C._current_graph_task_id() != self._outer_task
+
+    def hold(self, state: ModuleState) -> None:
+        """Keep ``state`` gathered and its gradients summed until another module's
+        backward starts or this backward ends; then ``release_held`` reduces them."""
+        if self.held is not None and self.held is not state:
+            self.release_held()
+        self.held = state
+
+    def release_held(self) -> None:
+        state, self.held = self.held, None
+        if state is not None:
+            state.finish_backward(None)
+
     def abandon_backward(self) -> None:
         """A backward that raised never reaches the final callback: clean up as it would."""
         if self.check:
             self.log("context: backward was abandoned (an exception inside it)")
         # Modules whose post-backward ran keep their reduced gradients, as
         # plain autograd keeps the gradients it accumulated before the error.
+        # A held module's partial sum is dropped: its backward never finished.
         self.finish_reduces()
+        if self.held is not None and self.held.group is not None:
+            self.held.group.clear_accumulated()
+        self.held = None
         for s in self.states:
             s.on_backward_end()
         self.phase = Phase.IDLE
@@ -216,6 +242,7 @@ class FSDPContext:
         the optimizer (microbatches): then reductions may stay in flight; the
         next backward finishes them.
         """
+        self.release_held()
         if self.is_last_backward:
             self.finish_reduces()
         error = None
@@ -238,16 +265,19 @@ class FSDPContext:
             raise error
 
     def reset(self) -> None:
-        """Back to between steps after an exception: nothing gathered, nothing in flight."""
+        """Back to between steps after an exception: nothing gathered, nothing in flight,
+        no partial sums (an aborted microbatch must not reach the next step)."""
         if self.phase is Phase.BACKWARD:
             self.abandon_backward()
         self.finish_reduces()
+        self.held = None
         for s in self.states:
             s.phase = Phase.IDLE
             s.backward_done = False
             s.reshard_now()
             if s.group is not None:
                 s.group.detach_autograd()
+                s.group.clear_accumulated()
         self._in_forward = False
 
     def reshard_all(self) -> None:

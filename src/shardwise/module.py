@@ -20,6 +20,7 @@ docs/design.md draws this as a state machine.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .containers import map_tensors, tensors_in
 from .context import ALLOWED, FSDPContext, LifecycleError, Phase
-from .param_group import GroupState, ParamGroup
+from .param_group import Attachment, GroupState, ParamGroup
 from .precision import MixedPrecisionPolicy, cast_floats
 from .trace import active as active_trace
 
@@ -148,6 +149,8 @@ class ModuleState:
                 ctx.log(f"{self.label}: recompute forward")
             if tracer is not None:
                 tracer.begin("recompute", self.label)
+            if ctx.held is not None and ctx.held is not self:
+                ctx.release_held()  # another module's recomputation: the held one is done
             if self.phase is Phase.IDLE:  # first need of this module in this backward
                 needs = ctx.backward_needs(self)
                 targets = self.bwd_targets if self.bwd_targets is not None else needs
@@ -183,8 +186,14 @@ class ModuleState:
         if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
             output = cast_floats(output, self.mp_policy.output_dtype)
         tensors = [t for t in tensors_in(output) if t.requires_grad]
-        for t in tensors:
-            t.register_hook(self._pre_backward)
+        if tensors:
+            # Bound to this forward's attachment: another forward (a no-grad
+            # one, a second microbatch) may replace the group's before this
+            # output's backward comes.
+            attachment = self.group.attachment if self.group is not None else None
+            hook = functools.partial(self._pre_backward, attachment)
+            for t in tensors:
+                t.register_hook(hook)
         if ctx.phase is Phase.BACKWARD:
             # Recomputed: keep the parameters for the backward that follows
             # (no second all-gather); post-backward reshards them.
@@ -209,10 +218,12 @@ class ModuleState:
             self.group.reshard()
         return output
 
-    def _pre_backward(self, grad: torch.Tensor) -> None:
+    def _pre_backward(self, attachment: Attachment | None, grad: torch.Tensor) -> None:
         ctx = self.context
         assert ctx is not None
         ctx.enter_backward()
+        if ctx.held is not None and ctx.held is not self:
+            ctx.release_held()
         if self.phase is Phase.BACKWARD:
             return
         if torch.is_grad_enabled():
@@ -232,10 +243,10 @@ class ModuleState:
         if not self.unshard_in_backward:
             return  # the user's promise: no parameter of this module is needed (an embedding)
         self._gather(targets if targets is not None else self.bwd_default)
-        if self.group is not None:
+        if self.group is not None and attachment is not None:
             # Checkpointing inside this module recomputes its body next, without
             # our hooks: it must read the forward's autograd-tracked parameters.
-            self.group.reattach()
+            self.group.install(attachment)
 
     def post_backward(self, grads: list[torch.Tensor | None] | None) -> None:
         """The group's gradients exist (``_Unsharded.backward``; one per parameter), or,
@@ -250,11 +261,28 @@ class ModuleState:
             # torch's non-reentrant checkpoint stops a recompute early, without
             # post-forward hooks: the recompute span ends here at the latest.
             tracer.end("recompute", self.label)
-        if grads is not None:
+        if grads is not None and ctx.nested_pass():
+            # A reentrant checkpoint's inner backward: more of this module's body
+            # may be recomputed later in this backward (several checkpointed
+            # regions in one sharded module), so keep it gathered and sum
+            # locally; reduce and reshard once another module's backward
+            # starts, or at the end (ctx.release_held).
+            self.group.accumulate(grads)
+            ctx.hold(self)
+            return
+        if ctx.held is self:
+            ctx.held = None  # the outer pass reached it: reduce the sum now
+        self.finish_backward(grads)
+
+    def finish_backward(self, grads: list[torch.Tensor | None] | None) -> None:
+        """Reduce (``grads`` None: only what was accumulated) and reshard."""
+        ctx = self.context
+        assert ctx is not None and self.group is not None
+        if grads is not None or self.group.has_accumulated:
             # One reduction in flight at a time (by default) bounds the gradient
             # memory held.
             ctx.finish_reduces(keep=self.max_reduces_in_flight - 1)
-            job = self.group.reduce_grads(grads)
+            job = self.group.reduce_grads(grads or [None] * len(self.group.params))
             if job is not None:
                 ctx.pending_reduces.append(job)
         if self.reshard_after_backward:
@@ -265,8 +293,12 @@ class ModuleState:
     # ---- context callbacks ---------------------------------------------------------------
 
     def on_backward_start(self) -> None:
-        # The forward's attachment stays: recomputations in this backward use it.
         self.backward_done = False
+        if self.group is not None:
+            # A forward recomputed with its hooks (checkpoint around the module)
+            # builds a new graph: it makes a new attachment, once per backward.
+            # Pre-backward hooks carry their own forward's attachment.
+            self.group.detach_autograd()
 
     def on_backward_end(self) -> None:
         if self.group is not None:

@@ -116,6 +116,14 @@ class ShardedParam:
             module._parameters[name] = t  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class Attachment:
+    """One forward's ``_Unsharded`` outputs (``tensors``) for the parameters ``params``."""
+
+    params: list[ShardedParam]
+    tensors: tuple[torch.Tensor, ...]
+
+
 class _Unsharded(torch.autograd.Function):
     """Hands out the unsharded parameters; its backward is the post-backward."""
 
@@ -179,9 +187,8 @@ class ParamGroup:
         self._pending: collectives.Pending | None = None
         self._gather_out: torch.Tensor | None = None
         self._gather_in: torch.Tensor | None = None
-        # The current forward's _Unsharded outputs, and the parameters they stand for.
-        self._attached: tuple[torch.Tensor, ...] | None = None
-        self._attached_params: list[ShardedParam] = []
+        # The current forward's _Unsharded outputs and the parameters they stand for.
+        self.attachment: Attachment | None = None
         self._accum: list[torch.Tensor | None] | None = None
 
         layouts = list(tp) if tp is not None else [None] * len(named)
@@ -452,7 +459,7 @@ class ParamGroup:
         Done at most once per forward pass (a module called twice reuses it),
         so one backward runs one post-backward for the group.
         """
-        if self._attached is None:
+        if self.attachment is None:
             trainable = self.trainable
             if not trainable:
                 return
@@ -460,24 +467,23 @@ class ParamGroup:
             out = out if isinstance(out, tuple) else (out,)
             if self.has_tp:
                 out = tuple(t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(trainable, out))
-            self._attached, self._attached_params = out, trainable
-        self.reattach()
+            self.attachment = Attachment(trainable, out)
+        self.install(self.attachment)
 
-    def reattach(self) -> None:
-        """Install this forward's attachment again, if it made one (see the module docstring)."""
-        if self._attached is not None:
-            for sp, t in zip(self._attached_params, self._attached):
-                sp.install(t)
+    @staticmethod
+    def install(attachment: Attachment) -> None:
+        """Install an attachment's tracked parameters (again: see the module docstring)."""
+        for sp, t in zip(attachment.params, attachment.tensors):
+            sp.install(t)
 
     @property
     def attached(self) -> bool:
         """Whether this forward handed out autograd-tracked parameters (some are trainable)."""
-        return self._attached is not None
+        return self.attachment is not None
 
     def detach_autograd(self) -> None:
         """Forget the forward pass's attachment (a new forward needs a new one)."""
-        self._attached = None
-        self._attached_params = []
+        self.attachment = None
 
     def reshard(self) -> None:
         if self.state is GroupState.GATHERING:
@@ -490,7 +496,7 @@ class ParamGroup:
             sp.install(sp.sharded)
         if not self.aliased:
             self.unsharded_flat.untyped_storage().resize_(0)
-        # _attached survives a reshard: a module called twice in one forward
+        # The attachment survives a reshard: a module called twice in one forward
         # uses the same autograd outputs (the storage is refilled in place), so
         # its backward runs one post-backward. The context clears it per forward.
         self.prefetched = False
@@ -517,19 +523,7 @@ class ParamGroup:
         sum once.
         """
         if not self.requires_gradient_sync:
-            # Accumulate in reduce_dtype. A synced backward does not cast here:
-            # the copy-in into the reduce-scatter buffer casts (an fp32 copy of
-            # a 7B layer's bf16 gradients is 0.8 GB held for nothing).
-            grads = [None if g is None else g.to(self.reduce_dtype) for g in grads]
-            if self._accum is None:
-                # Our own copies: autograd's gradients may be expanded views, and
-                # later microbatches add into these in place.
-                self._accum = [None if g is None else g.clone() for g in grads]
-            else:
-                self._accum = [
-                    a if g is None else (g if a is None else a.add_(g))
-                    for a, g in zip(self._accum, grads)
-                ]
+            self.accumulate(grads)
             return None
         if self._accum is not None:
             grads = [
@@ -542,6 +536,31 @@ class ParamGroup:
         if not any(used):
             return None
         return ReduceJob(self, grads, used)
+
+    def accumulate(self, grads: list[torch.Tensor | None]) -> None:
+        """Add ``grads`` to the local sum that the next reduction includes."""
+        # In reduce_dtype. A synced backward does not cast: the copy-in into the
+        # reduce-scatter buffer does (an fp32 copy of a 7B layer's bf16
+        # gradients is 0.8 GB held for nothing).
+        grads = [None if g is None else g.to(self.reduce_dtype) for g in grads]
+        if self._accum is None:
+            # Our own copies: autograd's gradients may be expanded views, and
+            # later microbatches add into these in place.
+            self._accum = [None if g is None else g.clone() for g in grads]
+        else:
+            self._accum = [
+                a if g is None else (g if a is None else a.add_(g))
+                for a, g in zip(self._accum, grads)
+            ]
+
+    @property
+    def has_accumulated(self) -> bool:
+        return self._accum is not None
+
+    def clear_accumulated(self) -> None:
+        """Drop local sums and held-back reductions (``reset_iter_state``)."""
+        self._accum = None
+        self._partial = None
 
     def assign_grads(self, shards: list[Any], used: list[bool]) -> None:
         for sp, g, u in zip(self.params, shards, used):
