@@ -150,6 +150,8 @@ SEMANTICS = {
     "assign-sharded": ("assign_worker", ("sharded",)),
     "assign-broadcast-from-rank0": ("assign_worker", ("broadcast-from-rank0",)),
     "frozen-modules": ("frozen_worker", ()),
+    "slicing": ("slicing_worker", ()),
+    "reshard-after-forward-defaults": ("raf_worker", ()),
 }
 
 
@@ -161,3 +163,7 @@ def test_cuda_semantics(case: str) -> None:
     out = run_distributed(getattr(test_semantics, name), world(), *args, "cuda", backend=NCCL)
     if case == "frozen-modules":
         assert out[0] <= 2, f"{out[0]} frozen blocks gathered at once in backward"
+    if case == "reshard-after-forward-defaults":
+        seen = out[0]
+        assert seen["shardwise/default"] == seen["fsdp2/default"] == (False, [True, True])
+        assert seen["shardwise/True"] == seen["fsdp2/True"] == (True, [True, True])

@@ -220,6 +220,14 @@ def reset_worker(rank: int, world: int, device: str = "cpu") -> None:
     leaves_again()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # fails on non-leaf parameters
 
+    # A microbatch summed locally (no sync), then a backward that fails: the
+    # aborted step's sums must not reach the next one (parity below checks it).
+    model.set_requires_gradient_sync(False)
+    loss_fn(model, mine).backward()
+    model.set_requires_gradient_sync(True)
+    groups = [m._shardwise_state.group for m in model.modules() if isinstance(m, FSDPModule)]
+    assert any(g.has_accumulated for g in groups if g is not None)
+
     # In backward: half-way through, with reductions in flight.
     def arm(module: nn.Module, args: Any, out: torch.Tensor) -> None:
         out.register_hook(lambda grad: (_ for _ in ()).throw(Boom()))
@@ -230,6 +238,7 @@ def reset_worker(rank: int, world: int, device: str = "cpu") -> None:
     with pytest.raises(Boom):
         loss.backward()
     leaves_again()
+    assert not any(g.has_accumulated for g in groups if g is not None)
     opt.zero_grad()
 
     # Training goes on exactly as a fresh process would.
@@ -252,12 +261,12 @@ def test_reset_iter_state_after_exceptions() -> None:
 # ---- slicing, containers -------------------------------------------------------------------------
 
 
-def slicing_worker(rank: int, world: int) -> None:
+def slicing_worker(rank: int, world: int, device: str = "cpu") -> None:
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
-    x = torch.randn(3, 4)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2)).to(device)
+    x = torch.randn(3, 4, device=device)
     for shard in (fully_shard, fsdp2_shard):
         model = copy.deepcopy(ref)
         for i in (0, 2, 3):
@@ -333,15 +342,15 @@ class Chain(nn.Module):
         return self.out(self.layers(x))
 
 
-def raf_worker(rank: int, world: int) -> dict[str, Any]:
+def raf_worker(rank: int, world: int, device: str = "cpu") -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     seen: dict[str, Any] = {}
-    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))  # the same on every rank
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0)).to(device)  # same everywhere
     for name, shard in (("shardwise", fully_shard), ("fsdp2", fsdp2_shard)):
         for root_raf in ("default", True):
             torch.manual_seed(0)
-            ref = Chain()
+            ref = Chain().to(device)
             model = copy.deepcopy(ref)
             for layer in model.layers:
                 shard(layer)
