@@ -57,6 +57,11 @@ def counting(kind: str) -> tuple[Counter, Callable[[], None]]:
     return seen, remove
 
 
+def each_sharded(model: nn.Module) -> list[shardwise.FSDPModule]:
+    """FSDP2's per-module setters are called on every module, as torchtitan does."""
+    return [m for m in model.modules() if isinstance(m, shardwise.FSDPModule)]
+
+
 def close(got: dict, want: dict, scale: float = 1.0) -> None:
     for n, g in got.items():
         assert g is not None, f"{n} has no gradient"
@@ -70,11 +75,12 @@ def check_divide_factor(rank: int, world: int) -> None:
     idx = batches(1)[0]
     for factor, alias in ((1.0, False), (4.0, True)):
         ref, model = net_pair()
-        if alias:
-            with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
-                model.set_reduce_scatter_divide_factor(factor)
-        else:
-            model.set_gradient_divide_factor(factor)
+        for m in each_sharded(model):
+            if alias:
+                with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
+                    m.set_reduce_scatter_divide_factor(factor)
+            else:
+                m.set_gradient_divide_factor(factor)
         loss_fn(model, idx.chunk(world)[rank]).backward()
         # The sum over ranks divided by the factor: world / factor times the mean.
         close(grads_of(model), reference_grads(ref, idx, world), scale=world / factor)
@@ -184,11 +190,11 @@ def check_all_reduce_hook(rank: int, world: int) -> None:
         calls.append(reduced.numel())
         reduced.mul_(2.0)
 
-    model.set_all_reduce_hook(hook)
+    for m in each_sharded(model):
+        m.set_all_reduce_hook(hook)
     idx = batches(1)[0]
     loss_fn(model, idx.chunk(world)[rank]).backward()
-    sharded = [m for m in model.modules() if isinstance(m, shardwise.FSDPModule)]
-    assert len(calls) == len(sharded), calls  # once per module
+    assert len(calls) == len(each_sharded(model)), calls  # once per module
     close(grads_of(model), reference_grads(ref, idx, world), scale=2.0)
 
 
@@ -283,6 +289,10 @@ def check_backend_specific_errors(rank: int, world: int) -> None:
         with pytest.raises(exc):
             call()
     assert model._shardwise_state.group.divide_factor is None
+    # Per module, as in FSDP2: the root's setting leaves its children alone.
+    model.set_gradient_divide_factor(2.0)
+    assert model._shardwise_state.group.divide_factor == 2.0
+    assert model.extra._shardwise_state.group.divide_factor is None
 
 
 class Generator(nn.Module):

@@ -128,12 +128,13 @@ class FSDPModule:
         )
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Reduced gradients are the sum over ranks divided by ``factor`` (default: the
-        number of data-parallel ranks, the mean). Works on gloo too: we sum, then
-        divide, where FSDP2 needs ``PREMUL_SUM``."""
+        """This module's reduced gradients are the sum over ranks divided by ``factor``
+        (default: the number of data-parallel ranks, the mean). As in FSDP2 it
+        applies to this module only: call it on each. Works on gloo too: we
+        sum, then divide, where FSDP2 needs ``PREMUL_SUM``."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a number > 0, got {factor!r}")
-        for g in self._groups(recurse=True):
+        for g in self._groups(recurse=False):
             g.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -174,11 +175,12 @@ class FSDPModule:
             g.reduce_scatter_unused = flag
 
     def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
-        """``hook(reduced)`` runs on every reduced gradient shard (after the HSDP
-        all-reduce, or after the reduce-scatter), in place, before ``.grad`` is set."""
+        """``hook(reduced)`` runs on this module's reduced gradient shard (after the
+        HSDP all-reduce, or after the reduce-scatter), in place, before ``.grad``
+        is set. As in FSDP2 it applies to this module only."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {hook!r}")
-        for g in self._groups(recurse=True):
+        for g in self._groups(recurse=False):
             g.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: Any) -> None:
