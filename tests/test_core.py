@@ -74,6 +74,28 @@ def reference_step(
     return loss.detach()
 
 
+def step_and_compare(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    ref: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    idx: torch.Tensor,
+    after_backward=None,
+) -> None:
+    """One sharded step on this rank's slice beside one reference step on the whole
+    batch; the lifecycle holds after backward and the losses match."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss = loss_fn(model, idx.chunk(world)[rank])
+    loss.backward()
+    assert_between_steps(model)
+    if after_backward is not None:
+        after_backward()
+    opt.step()
+    opt.zero_grad()
+    ref_loss = reference_step(ref, ref_opt, idx)
+    torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+
+
 def global_mean(loss: torch.Tensor) -> torch.Tensor:
     """The sharded run's loss over the whole batch: the mean of the ranks' slice losses."""
     t = loss.detach().float().clone()

@@ -24,6 +24,7 @@ from dist_utils import run_distributed
 from models import Net, batches, loss_fn
 from shardwise import collectives, fully_shard
 from test_core import assert_between_steps, shard_net
+from test_training import reference_and_sharded
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,14 +40,6 @@ def reference_grads(ref: nn.Module, idx: torch.Tensor, world: int) -> dict[str, 
     ref.zero_grad()
     sum(loss_fn(ref, part) for part in idx.chunk(world)).div(world).backward()
     return {n: p.grad.clone() for n, p in ref.named_parameters()}
-
-
-def net_pair() -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    shard_net(model, {})
-    return ref, model
 
 
 def counting(kind: str) -> tuple[Counter, Callable[[], None]]:
@@ -74,7 +67,7 @@ def close(got: dict, want: dict, scale: float = 1.0) -> None:
 def check_divide_factor(rank: int, world: int) -> None:
     idx = batches(1)[0]
     for factor, alias in ((1.0, False), (4.0, True)):
-        ref, model = net_pair()
+        ref, model = reference_and_sharded(hsdp=False)
         for m in each_sharded(model):
             if alias:
                 with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
@@ -87,7 +80,7 @@ def check_divide_factor(rank: int, world: int) -> None:
 
 
 def check_force_sum(rank: int, world: int) -> None:
-    ref, model = net_pair()
+    ref, model = reference_and_sharded(hsdp=False)
     model.set_force_sum_reduction_for_comms(True)
     idx = batches(1)[0]
     loss_fn(model, idx.chunk(world)[rank]).backward()
@@ -134,7 +127,7 @@ def check_unshard_in_backward(rank: int, world: int) -> None:
 
 
 def check_is_last_backward(rank: int, world: int) -> None:
-    ref, model = net_pair()
+    ref, model = reference_and_sharded(hsdp=False)
     micro = batches(2)
     loss_fn(model, micro[0].chunk(world)[rank]).backward()  # the root context now exists
     model.zero_grad()
@@ -183,7 +176,7 @@ def check_reduce_scatter_unused(rank: int, world: int) -> None:
 
 
 def check_all_reduce_hook(rank: int, world: int) -> None:
-    ref, model = net_pair()
+    ref, model = reference_and_sharded(hsdp=False)
     calls: list[int] = []
 
     def hook(reduced: torch.Tensor) -> None:
@@ -207,7 +200,7 @@ class Event:
 
 
 def check_post_optim_event(rank: int, world: int) -> None:
-    _, model = net_pair()
+    _, model = reference_and_sharded(hsdp=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     idx = batches(1)[0].chunk(world)[rank]
     loss_fn(model, idx).backward()
@@ -220,7 +213,7 @@ def check_post_optim_event(rank: int, world: int) -> None:
 
 
 def check_custom_collectives(rank: int, world: int) -> None:
-    ref, model = net_pair()
+    ref, model = reference_and_sharded(hsdp=False)
     calls: Counter = Counter()
 
     def gather(output_tensor, input_tensor, group, async_op):  # noqa: ANN001
@@ -241,7 +234,7 @@ def check_custom_collectives(rank: int, world: int) -> None:
 
 
 def check_max_input_buffers(rank: int, world: int) -> None:
-    ref, model = net_pair()
+    ref, model = reference_and_sharded(hsdp=False)
     model.set_reduce_scatter_max_input_buffers(2)
     most = 0
 
@@ -261,7 +254,7 @@ def check_max_input_buffers(rank: int, world: int) -> None:
 
 
 def check_separate_reduce_scatter_group(rank: int, world: int) -> None:
-    ref, model = net_pair()
+    ref, model = reference_and_sharded(hsdp=False)
     model.set_separate_reduce_scatter_group(True)
     group = model._shardwise_state.group
     assert group.reduce_scatter_group is not group.shard_group
@@ -272,7 +265,7 @@ def check_separate_reduce_scatter_group(rank: int, world: int) -> None:
 
 
 def check_backend_specific_errors(rank: int, world: int) -> None:
-    _, model = net_pair()
+    _, model = reference_and_sharded(hsdp=False)
     with pytest.raises(ValueError, match="gloo"):
         model.set_symm_mem_for_comm()
     with pytest.raises(NotImplementedError, match="gloo"):

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from dist_utils import run_distributed
 from models import Net, batches, loss_fn
 from shardwise import FSDPModule, MixedPrecisionPolicy, Phase, collectives, fully_shard
-from test_core import assert_between_steps, global_mean, reference_step, shard_net
+from test_core import assert_between_steps, global_mean, shard_net, step_and_compare
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -169,15 +169,12 @@ def requires_grad_worker(rank: int, world: int, device: str = "cpu") -> None:
             frozen_at = {
                 n: p.full_tensor() for n, p in model.named_parameters() if not p.requires_grad
             }
-        loss = loss_fn(model, idx.chunk(world)[rank])
-        loss.backward()
-        assert_between_steps(model)
-        for n, p in model.named_parameters():
-            assert (p.grad is not None) == p.requires_grad, f"step {step}: {n}"
-        opt.step()
-        opt.zero_grad()
-        ref_loss = reference_step(ref, ref_opt, idx)
-        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+
+        def grads_follow_flags(step: int = step) -> None:
+            for n, p in model.named_parameters():
+                assert (p.grad is not None) == p.requires_grad, f"step {step}: {n}"
+
+        step_and_compare(model, opt, ref, ref_opt, idx, grads_follow_flags)
     assert "stages.1.b.fc1.weight" not in frozen_at and "stages.0.b.fc1.weight" in frozen_at
     for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.full_tensor(), rp.detach(), atol=1e-5, rtol=1e-5, msg=n)
@@ -244,14 +241,7 @@ def reset_worker(rank: int, world: int, device: str = "cpu") -> None:
     # Training goes on exactly as a fresh process would.
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for idx in batches(2, seed=2):
-        idx = idx.to(device)
-        loss = loss_fn(model, idx.chunk(world)[rank])
-        loss.backward()
-        assert_between_steps(model)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = reference_step(ref, ref_opt, idx)
-        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+        step_and_compare(model, opt, ref, ref_opt, idx.to(device))
 
 
 def test_reset_iter_state_after_exceptions() -> None:
@@ -312,14 +302,7 @@ def assign_worker(rank: int, world: int, how: str, device: str = "cpu") -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for idx in batches(2):
-        idx = idx.to(device)
-        loss = loss_fn(model, idx.chunk(world)[rank])
-        loss.backward()
-        assert_between_steps(model)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = reference_step(ref, ref_opt, idx)
-        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+        step_and_compare(model, opt, ref, ref_opt, idx.to(device))
 
 
 @pytest.mark.parametrize(
@@ -406,14 +389,7 @@ def frozen_worker(rank: int, world: int, device: str = "cpu") -> int:
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     try:
         for idx in batches(3):
-            idx = idx.to(device)
-            loss = loss_fn(model, idx.chunk(world)[rank])
-            loss.backward()
-            assert_between_steps(model)
-            opt.step()
-            opt.zero_grad()
-            ref_loss = reference_step(ref, ref_opt, idx)
-            torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+            step_and_compare(model, opt, ref, ref_opt, idx.to(device))
     finally:
         remove()
     return most
