@@ -72,10 +72,9 @@ def test_ctrl_c_while_starting_then_kill_9_of_the_launcher(tmp_path: Path) -> No
     step = summary(run)["steps_done"]
     assert summary(run)["stopped_early"] and 2 <= step < 500
     assert checkpoints(run) == [f"step_{step:06d}"]  # nothing trained was lost
-    # The watchdog's stop sometimes reaches the summary without its signal's
-    # name ("stopped at step N"): seen once under load; the closing note says so.
-    text = log.read_text()
-    assert "stopped by SIGTERM" in text or f"stopped at step {step}" in text, text
+    # Each worker's watchdog sends itself SIGTERM; rank 0 names it even when
+    # another rank's watchdog fired first (the signal is shared with the loss).
+    assert "stopped by SIGTERM" in log.read_text()
 
 
 @pytest.mark.timeout(240)

@@ -54,7 +54,7 @@ from .run_folder import (
     remove_if_unused,
     remove_unfinished_saves,
 )
-from .signals import StopRequest, stop_when_orphaned
+from .signals import STOP_SIGNALS, StopRequest, stop_when_orphaned
 
 # Flags that describe the training itself. With --resume, each one not given
 # on the command line is taken from the resumed run, so a bare
@@ -499,10 +499,17 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
                     raise diverged("gradient norm", grad_norm, step, last_good)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                stopping = torch.tensor(float(stop.signum is not None), device=w.device)
-                shared = torch.stack([loss_sum / micro_steps, stopping])
+                # The loss and which stop signal each rank got, in one reduction:
+                # the summary names the signal even when another rank got it first.
+                signalled = [float(stop.signum == sig) for sig in STOP_SIGNALS]
+                shared = torch.tensor([0.0, *signalled], device=w.device)
+                shared[0] = loss_sum / micro_steps
                 dist.all_reduce(shared)
-                loss_val, stopped = (shared[0] / w.world).item(), bool(shared[1].item() > 0)
+                loss_val = shared[0].item() / w.world
+                got = [sig for sig, n in zip(STOP_SIGNALS, shared[1:].tolist()) if n > 0]
+                stopped = bool(got)
+                if got and stop.signum is None:
+                    stop.signum = got[0]
                 if not math.isfinite(loss_val):
                     raise diverged("loss", loss_val, step, last_good)
                 dt = time.perf_counter() - t0
