@@ -1,0 +1,297 @@
+"""One benchmark job: a (configuration, model, settings, round) in fresh processes.
+
+Why a fresh process group per job: peak memory (CUDA max allocated, CPU peak
+RSS) is only clean when nothing else lives in the process, and alternating
+rounds (A B C A B C ...) spreads machine drift over every configuration
+equally. Each job builds the same model from the same seed, trains
+``warmup + steps`` timed steps on the same data, reports the median step, then
+runs one more, untimed step whose memory is broken down (``memory.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import memory
+from .models import ModelSpec, build, compile_blocks, logits
+
+
+@dataclass
+class Job:
+    config: str
+    model: str  # the spec's name: a size or "hf:PATH"
+    nproc: int
+    ac: str
+    mp: str
+    batch_size: int
+    seq_len: int
+    steps: int
+    warmup: int
+    device: str
+    compile: bool = False
+    spec: ModelSpec | None = None  # resolved by the parent; None: a GPT size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spec(job: Job) -> ModelSpec:
+    if job.spec is not None:
+        return job.spec
+    from .models import resolve
+
+    return resolve(job.model, job.seq_len, job.device == "cuda")
+
+
+def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
+    """The model under one configuration, and its AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from .. import MixedPrecisionPolicy, fully_shard
+
+    device = torch.device(job.device)
+    model, blocks = build(_spec(job), device, job.ac)
+    bf16 = job.mp == "bf16"
+    # Explicit: on a GPU machine a CPU benchmark must not land on the default CUDA mesh.
+    mesh = init_device_mesh(job.device, (job.nproc,))
+    if job.config == "fsdp2":
+        kw: dict[str, Any] = {"mesh": mesh}
+        if bf16:
+            kw["mp_policy"] = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in blocks:
+            torch_fully_shard(block, **kw)
+        torch_fully_shard(model, **kw)
+    elif job.config == "shardwise":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy if bf16 else None)
+        fully_shard(model, mesh=mesh, mp_policy=policy if bf16 else None)
+    if job.compile:
+        compile_blocks(blocks, device)
+    # The fused AdamW on CUDA for every configuration: the fastest each can use.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    return model, opt
+
+
+def _worker(rank: int, job: Job, port: int, q: Any) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    try:
+        cuda = job.device == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.nproc))
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job.nproc
+        )
+        # Resident now, before the model: Python, torch, the process group. Not
+        # the high-water mark, which includes what imports held for a moment.
+        baseline_rss = memory.rss_bytes() or memory.peak_rss_bytes()
+        spec = _spec(job)
+        model, opt = build_job(job)
+        device = torch.device(job.device, rank) if cuda else torch.device("cpu")
+        g = torch.Generator().manual_seed(1 + rank)
+        vocab = spec.vocab_size
+        autocast = torch.autocast(
+            job.device, dtype=torch.bfloat16, enabled=job.config == "bare" and job.mp == "bf16"
+        )
+        state = {"opt": opt}
+
+        def batch() -> torch.Tensor:
+            idx = torch.randint(0, vocab, (job.batch_size, job.seq_len + 1), generator=g)
+            return idx.to(job.device)
+
+        def step(
+            i: int, idx: torch.Tensor, mark: Callable[[str], None] = lambda phase: None
+        ) -> torch.Tensor:
+            with autocast:
+                out = logits(model, spec, idx[:, :-1])
+            loss = F.cross_entropy(out.float().reshape(-1, vocab), idx[:, 1:].reshape(-1))
+            mark("forward")
+            loss.backward()
+            mark("backward")
+            try:
+                state["opt"].step()
+            except RuntimeError:
+                if i or not state["opt"].defaults.get("fused"):
+                    raise
+                # fused AdamW refused these parameters (DTensor on an older torch)
+                state["opt"] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                state["opt"].step()
+            mark("step")
+            return loss.detach()
+
+        times = []
+        for i in range(job.warmup + job.steps):
+            idx = batch()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = step(i, idx)
+            state["opt"].zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= job.warmup:
+                times.append(time.perf_counter() - t0)
+        graphs = 0
+        if job.compile:  # one graph for same-shaped blocks; more means recompiles
+            from torch._dynamo.utils import counters
+
+            graphs = int(counters["stats"]["unique_graphs"])
+        peak = torch.cuda.max_memory_allocated() if cuda else memory.peak_rss_bytes()
+        reserved = torch.cuda.max_memory_reserved() if cuda else 0
+
+        def held() -> dict[str, dict[int, int]]:
+            return memory.held_tensors(model, state["opt"], device)
+
+        def memory_step(mark: Callable[[str], None]) -> None:
+            step(job.warmup + job.steps, batch(), mark)
+
+        if cuda:
+            breakdown = memory.cuda_memory_step(memory_step, device, held)
+        else:
+            breakdown = memory.cpu_memory_step(memory_step, baseline_rss, held)
+        state["opt"].zero_grad(set_to_none=True)
+        breakdown["rank"] = rank
+        stats = torch.tensor([statistics.median(times), float(peak), reserved], dtype=torch.float64)
+        gathered = [torch.zeros_like(stats) for _ in range(job.nproc)]
+        dist.all_gather(gathered, stats)  # gloo on CPU tensors: fine for both backends
+        breakdowns: list[Any] = [None] * job.nproc
+        dist.all_gather_object(breakdowns, breakdown)
+        n_params = sum(p.numel() for p in model.parameters())
+        if rank == 0:
+            q.put(
+                (
+                    "ok",
+                    {
+                        "fused_adamw": bool(state["opt"].defaults.get("fused")),
+                        "step_s": max(float(t[0]) for t in gathered),
+                        "peak_bytes": max(float(t[1]) for t in gathered),
+                        "peak_reserved_bytes": max(float(t[2]) for t in gathered),
+                        "params": n_params,
+                        "loss": float(loss),  # the last timed step's, rank 0
+                        "dynamo_graphs": graphs,
+                        # The rank whose breakdown step peaked highest: the one that limits.
+                        "memory": max(breakdowns, key=lambda b: b["peak_bytes"]),
+                    },
+                )
+            )
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - the parent prints it
+        import traceback
+
+        q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_job(job: Job, timeout: float = 900) -> dict[str, Any]:
+    import queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, job, port, q)) for r in range(job.nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                status, payload = q.get(timeout=5)
+                break
+            except queue.Empty:
+                # A worker killed outright (the kernel's OOM killer) sends nothing:
+                # without this a sweep would wait out the whole timeout.
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    status = "error"
+                    payload = (
+                        f"a worker exited with code {dead[0]} without a result"
+                        if dead
+                        else f"no result after {timeout:.0f} s"
+                    )
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(f"{job.config} failed: {payload}")
+    return payload
+
+
+def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -> None:
+    """Hook cost per module: many tiny linears, one rank, configurations alternated per step."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from .. import fully_shard
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,))
+        checked = functools.partial(fully_shard, check=True)
+        models = {}
+        for name, shard in (
+            ("bare", None),
+            ("fsdp2", torch_fully_shard),
+            ("shardwise", fully_shard),
+            ("shardwise_check", checked),  # lifecycle checks on: what "off" saves
+        ):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(n_modules)))
+            if shard is not None:
+                for layer in m:
+                    shard(layer, mesh=mesh)
+                shard(m, mesh=mesh)
+            models[name] = m
+        x = torch.randn(2, 4, requires_grad=True)
+        times: dict[str, list[float]] = {k: [] for k in models}
+        for step in range(steps + 5):
+            for name, m in models.items():
+                t0 = time.perf_counter()
+                m(x).sum().backward()
+                m.zero_grad(set_to_none=True)
+                if step >= 5:
+                    times[name].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        q.put(("ok", {k: (med[k] - med["bare"]) / n_modules * 1e6 for k in models if k != "bare"}))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        q.put(("error", repr(e)))
+
+
+def hook_overhead_us(n_modules: int = 64, steps: int = 60) -> dict[str, float]:
+    """Microseconds per module per forward+backward added over the bare model (CPU, 1 rank)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_overhead_worker, args=(0, n_modules, steps, _free_port(), q))
+    proc.start()
+    status, payload = q.get(timeout=600)
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(payload)
+    return payload

@@ -1,0 +1,267 @@
+"""``shardwise bench``: memory breakdown, size sweeps, ``--compile`` and ``hf:PATH``.
+
+Kept fast (the whole file is budgeted at a minute on two cores): the tiny
+model and a tiny Llama on CPU, one step, one round; what needs no worker
+process (attribution of an allocator record, tensor accounting, bad input)
+runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shardwise import benchmark
+from shardwise.bench import memory
+from shardwise.bench.models import build, resolve
+from shardwise.bench.report import add_ratios
+from shardwise.models.gpt import GPT, SIZES
+
+FAST = ["--device", "cpu", "--nproc", "1", "--seq-len", "16", "--batch-size", "2"]
+FAST += ["--steps", "1", "--warmup", "0", "--rounds", "1"]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        dtype="bfloat16",  # saved as bf16: the benchmark must still train fp32 weights
+    ).save_pretrained(folder)
+    return folder
+
+
+def _expected_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """fp32 AdamW on CPU: weights, gradients, two moments and a 4-byte step per tensor."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    return {"parameters": 4 * n, "gradients": 4 * n, "optimizer_state": 8 * n + 4 * len(params)}
+
+
+# ---- memory accounting, in process -----------------------------------------------------------
+
+
+def test_held_tensors_count_each_storage_once() -> None:
+    torch.manual_seed(0)
+    model = GPT(SIZES["tiny"].with_seq_len(16))  # tied head: one storage for two names
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 256, (2, 16))).sum().backward()
+    opt.step()
+    held = memory.held_tensors(model, opt, torch.device("cpu"))
+    assert memory.exact_bytes(held) == _expected_bytes(model)
+    assert memory.exact_bytes(memory.held_tensors(model, opt, torch.device("meta"))) == {
+        "parameters": 0,
+        "gradients": 0,
+        "optimizer_state": 0,
+    }
+
+
+SW = "/src/shardwise/param_group.py"
+FSDP_PARAM = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_param.py"
+FSDP_COLL = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+GPT_FWD = ("/src/shardwise/models/gpt.py", "forward")
+
+
+def _alloc(addr: int, size: int, *frames: tuple[str, str]) -> dict[str, Any]:
+    return {
+        "action": "alloc",
+        "addr": addr,
+        "size": size,
+        "frames": [{"filename": f, "name": n, "line": 1} for f, n in frames],
+    }
+
+
+def _free(addr: int, size: int) -> dict[str, Any]:
+    return {"action": "free_requested", "addr": addr, "size": size}
+
+
+def _mark(addr: int) -> list[dict[str, Any]]:
+    return [_alloc(addr, 4, ("/src/shardwise/bench/memory.py", memory.MARK)), _free(addr, 4)]
+
+
+def test_allocator_record_is_attributed_at_its_peak() -> None:
+    held = {
+        "parameters": {0x100: 4096},
+        "gradients": {0x900: 4096},
+        "optimizer_state": {0x200: 8192},
+    }
+    baseline = 4096 + 8192 + 1024  # and a 1 KiB workspace from an earlier step
+    trace = [
+        # forward
+        _alloc(0x300, 1000, (SW, "unshard")),  # shardwise's all-gather output
+        _alloc(0x400, 2048, (SW, "_allocate_unsharded"), (SW, "wait_unsharded")),
+        _free(0x300, 1000),
+        _alloc(0xA00, 512, (FSDP_COLL, "foreach_all_gather")),
+        _alloc(0x500, 3000, GPT_FWD),
+        *_mark(0xF00),
+        # backward
+        _alloc(0x600, 512),  # autograd's engine thread: no Python frames
+        _alloc(0xB00, 512, GPT_FWD, ("/torch/utils/checkpoint.py", "unpack_hook")),
+        _alloc(0x900, 4096, (FSDP_COLL, "foreach_reduce")),  # survives: the gradient
+        _alloc(0x700, 1024, (FSDP_PARAM, "alloc_storage"), (FSDP_PARAM, "init_unsharded_param")),
+        _free(0x700, 1024),
+        _free(0x600, 512),
+        _free(0x500, 3000),
+        _free(0x400, 2048),
+        *_mark(0xF00),
+        # optimizer step
+        _alloc(0x800, 100, ("/torch/optim/adamw.py", "_fused_adamw")),
+        _free(0x800, 100),
+        *_mark(0xF00),
+    ]
+    got = memory.attribute_peak(trace, baseline, held)
+    parts = {
+        "parameters": 4096,
+        "gradients": 4096,
+        "optimizer_state": 8192,
+        "gathered_params": 2048 + 1024,
+        "comm_buffers": 512,
+        "activations": 3072 + 512,  # 3000 rounded to a 512-byte block, and a recomputation
+        "backward_temporaries": 512,
+        "other": 1024,
+    }
+    assert got == {"peak_bytes": sum(parts.values()), "parts": parts, "peak_during": "backward"}
+
+
+# ---- runs ------------------------------------------------------------------------------------
+
+
+def _run(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Any, str]:
+    out = tmp_path / "bench.json"
+    assert benchmark.main([*args, *FAST, "--json", str(out)]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_ratios_are_taken_within_each_size_and_setting() -> None:
+    rows = [
+        {
+            "config": c,
+            "model": m,
+            "ac": "none",
+            "mp": "bf16",
+            "compiled": k,
+            "step_ms": t,
+            "peak_gib": g,
+        }
+        for c, m, k, t, g in [
+            ("fsdp2", "small", False, 10.0, 2.0),
+            ("shardwise", "small", False, 9.0, 1.0),
+            ("fsdp2", "large", False, 100.0, 40.0),
+            ("shardwise", "large", False, 110.0, 50.0),
+            ("bare", "large", True, 50.0, 25.0),
+            ("shardwise", "large", True, 40.0, 20.0),
+        ]
+    ]
+    add_ratios(rows)
+    small, large, compiled = rows[1], rows[3], rows[5]
+    assert (small["step_vs_fsdp2"], small["mem_vs_fsdp2"]) == (0.9, 0.5)
+    assert (large["step_vs_fsdp2"], large["mem_vs_fsdp2"]) == (1.1, 1.25)
+    assert "step_vs_bare" not in large  # the bare row is compiled: another comparison
+    assert (compiled["step_vs_bare"], compiled["mem_vs_bare"]) == (0.8, 0.8)
+    assert "step_vs_fsdp2" not in compiled
+
+
+@pytest.mark.timeout(120)
+def test_size_sweep_has_rows_and_a_breakdown_per_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result, stdout = _run(["--model", "tiny,small", "--configs", "shardwise"], tmp_path, capsys)
+    rows = result["rows"]
+    assert [(r["model"], r["config"]) for r in rows] == [
+        ("tiny", "shardwise"),
+        ("small", "shardwise"),
+    ]
+    assert result["meta"]["models"] == ["tiny", "small"]
+    for r in rows:
+        expected = _expected_bytes(GPT(SIZES[r["model"]].with_seq_len(16)))
+        assert r["step_ms"] > 0 and math.isfinite(r["loss"]) and not r["compiled"]
+        assert r["params"] * 4 == expected["parameters"]
+        m = r["memory"]
+        # One rank, fp32: the flat shards hold exactly the unsharded model's bytes.
+        assert m["exact"] == expected
+        assert {k: m["parts"][k] for k in expected} == expected
+        assert set(m["parts"]) == set(memory.CPU_PARTS)
+        assert all(v > 0 for v in m["parts"].values()), m["parts"]
+        assert sum(m["parts"].values()) == m["peak_bytes"]
+        assert set(m["stages"]) == {"start", "forward", "backward", "step"}
+    assert rows[1]["memory"]["exact"]["parameters"] > rows[0]["memory"]["exact"]["parameters"]
+    assert stdout.index("model tiny:") < stdout.index("model small:")  # grouped by size
+    assert "memory at the peak (GiB): cpu peak RSS (coarse" in stdout
+
+
+@pytest.mark.timeout(120)
+def test_hf_model_compiled_with_its_own_checkpointing(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, layers = build(resolve(f"hf:{llama_dir}", 16, False), torch.device("cpu"), "reentrant")
+    on = getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    assert on and layers == list(model.model.layers)
+    args = ["--model", f"hf:{llama_dir}", "--configs", "shardwise"]
+    result, stdout = _run([*args, "--compile", "--ac", "non-reentrant"], tmp_path, capsys)
+    (row,) = result["rows"]
+    assert row["model_type"] == "llama" and row["compiled"] and row["ac"] == "non-reentrant"
+    assert row["dynamo_graphs"] >= 1  # something was compiled
+    assert row["step_ms"] > 0 and math.isfinite(row["loss"])
+    assert row["params"] == sum(p.numel() for p in model.parameters())
+    assert row["memory"]["exact"] == _expected_bytes(model)  # fp32, though saved as bf16
+    assert f"model hf:{llama_dir}:" in stdout
+
+
+# ---- bad input: one line, exit 2, nothing written --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "tiny,huge"], "unknown --model 'huge'"),
+        (["--model", "tiny,tiny"], "--model tiny,tiny: a model is listed twice"),
+        (["--model", "hf:/no/such/folder"], "--model hf:/no/such/folder: no such folder"),
+        (["--model", "hf:{empty}"], "no config.json in that folder"),
+        (["--model", "hf:{broken}"], "config.json cannot be read"),
+        (["--model", "tiny,hf:{llama}", "--ac", "none,selective"], "--ac selective: an hf:"),
+        (["--model", "hf:{llama}", "--seq-len", "100"], "max_position_embeddings 64"),
+        (["--compile", "sometimes"], "unknown --compile value 'sometimes'"),
+    ],
+)
+def test_bad_input(
+    args: list[str],
+    message: str,
+    llama_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    folders = {"empty": tmp_path / "empty", "broken": tmp_path / "broken", "llama": llama_dir}
+    args = [a.format(**folders) for a in args]
+    out = tmp_path / "never.json"
+    assert benchmark.main(["--device", "cpu", *args, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_hf_without_transformers(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    out = tmp_path / "never.json"
+    args = ["--device", "cpu", "--model", f"hf:{llama_dir}", "--json", str(out)]
+    assert benchmark.main(args) == 2
+    assert "needs the transformers package" in capsys.readouterr().err
+    assert not out.exists()
