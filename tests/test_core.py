@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 import shardwise
@@ -363,10 +363,35 @@ def bad_input_worker(rank: int, world: int) -> dict[str, str]:
         assert not isinstance(container, FSDPModule)
         assert not any(isinstance(p, DTensor) for p in container.parameters())
     expect("raf", TypeError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward="yes"))
-    expect("raf-int", TypeError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=2))
-    pair = [nn.Linear(2, 2), nn.Linear(2, 2)]
-    expect("list", TypeError, lambda: fully_shard(pair))
-    assert not any(isinstance(p, DTensor) for m in pair for p in m.parameters())
+    untouched = nn.Linear(3, 3)
+    expect("raf-int", ValueError, lambda: fully_shard(untouched, reshard_after_forward=3))
+    one = nn.Linear(2, 2)
+    expect("list-twice", ValueError, lambda: fully_shard([one, one]))
+    expect("list-empty", ValueError, lambda: fully_shard([]))
+    expect("list-type", TypeError, lambda: fully_shard([one, "layer"]))
+    expect(
+        "placement-type",
+        ValueError,
+        lambda: fully_shard(untouched, shard_placement_fn=lambda p: Replicate()),
+    )
+    expect(
+        "placement-dim",
+        ValueError,
+        lambda: fully_shard(untouched, shard_placement_fn=lambda p: Shard(2)),
+    )
+    # 3 columns over 2 ranks: dims other than 0 must split evenly.
+    expect(
+        "placement-uneven",
+        ValueError,
+        lambda: fully_shard(untouched, shard_placement_fn=lambda p: Shard(p.dim() - 1)),
+    )
+    expect("offload", TypeError, lambda: fully_shard(untouched, offload_policy="cpu"))
+    expect("dp_mesh_dims", ValueError, lambda: fully_shard(untouched, dp_mesh_dims=("dp",)))
+    expect("share_comm_ctx", ValueError, lambda: shardwise.share_comm_ctx([untouched]))
+    for m in (untouched, one):
+        assert not isinstance(m, FSDPModule) and not any(
+            isinstance(p, DTensor) for p in m.parameters()
+        )
     return msgs
 
 
@@ -384,8 +409,16 @@ def test_bad_input_gets_one_clear_error_and_changes_nothing() -> None:
     assert "ModuleList" in msgs["ModuleList"] and "forward" in msgs["ModuleList"]
     assert "ModuleDict" in msgs["ModuleDict"]
     assert "reshard_after_forward" in msgs["raf"]
-    assert "int" in msgs["raf-int"] and "not supported" in msgs["raf-int"]
-    assert "list of modules" in msgs["list"]
+    assert "reshard_after_forward=3" in msgs["raf-int"] and "divide" in msgs["raf-int"]
+    assert "same module twice" in msgs["list-twice"]
+    assert "empty list" in msgs["list-empty"]
+    assert "nn.Module" in msgs["list-type"] and "str" in msgs["list-type"]
+    assert "Replicate()" in msgs["placement-type"] and "Shard(dim)" in msgs["placement-type"]
+    assert "Shard(2)" in msgs["placement-dim"] and "(3, 3)" in msgs["placement-dim"]
+    assert "evenly over 2 ranks" in msgs["placement-uneven"]
+    assert "CPUOffloadPolicy" in msgs["offload"] and "str" in msgs["offload"]
+    assert "mesh['dp']" in msgs["dp_mesh_dims"]
+    assert "Linear" in msgs["share_comm_ctx"]
 
 
 def test_fully_shard_without_process_group_says_how_to_fix() -> None:

@@ -167,3 +167,10 @@ def test_cuda_semantics(case: str) -> None:
         seen = out[0]
         assert seen["shardwise/default"] == seen["fsdp2/default"] == (False, [True, True])
         assert seen["shardwise/True"] == seen["fsdp2/True"] == (True, [True, True])
+
+
+def test_cuda_cpu_offload_matches_one_process() -> None:
+    """Shards pinned in host memory, uploaded for each gather, CPU gradients and AdamW."""
+    from test_fsdp2_keywords import offload_worker
+
+    run_distributed(offload_worker, world(), "cuda", backend=NCCL)

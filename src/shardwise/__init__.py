@@ -11,16 +11,19 @@ See docs/design.md for the lifecycle every sharded module follows.
 from .api import fully_shard, hsdp_mesh, no_sync
 from .clip import clip_grad_norm_
 from .context import FSDPContext, LifecycleError, Phase
-from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .materialize import materialize
+from .offload import CPUOffloadPolicy, OffloadPolicy
 from .precision import MixedPrecisionPolicy
 from .trace import Tracer, trace
 
 __all__ = [
+    "CPUOffloadPolicy",
     "FSDPContext",
     "FSDPModule",
     "LifecycleError",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "Phase",
     "Tracer",
     "UnshardHandle",
@@ -30,6 +33,7 @@ __all__ = [
     "materialize",
     "no_sync",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "trace",
 ]
 __version__ = "0.1.0"

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .fsdp_module import FSDPModule
 from .module import ModuleState
+from .offload import OffloadPolicy, check_offload_policy
 from .param_group import ParamGroup
 from .precision import MixedPrecisionPolicy
 from .tensor_parallel import TPLayout, compose_tp
@@ -60,15 +62,18 @@ def default_mesh() -> DeviceMesh:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: Any = None,
+    offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
     prefetch: int = 1,
     check: bool | None = None,
-) -> nn.Module:
+) -> Any:
     """Shard ``module``'s parameters over ``mesh``, gathering them only while it runs.
 
     Apply bottom-up: the layers first, then the root. The call owns the
@@ -76,6 +81,10 @@ def fully_shard(
     an ``nn.Parameter`` holding a ``DTensor`` with ``Shard(0)`` (or
     ``(Replicate(), Shard(0))`` on a 2-D mesh: HSDP). The module's class
     becomes a subclass of ``FSDPModule``; the same object is returned.
+
+    ``module`` may be a list of modules: their parameters form one group (one
+    all-gather, one reduce-scatter), gathered before the first of them runs
+    and resharded after the last; each module becomes an ``FSDPModule``.
 
     Tensor parallel x FSDP: parameters already made DTensors by torch's
     ``parallelize_module`` on ``mesh2d["tp"]`` are sharded over
@@ -86,40 +95,32 @@ def fully_shard(
     ``reshard_after_forward``: as FSDP2's, ``None`` (the default) reshards
     after forward every module but the root, whose backward runs first;
     ``True`` reshards the root too; ``False`` keeps a module gathered until its
-    backward. Forwards without a backward following (no_grad, eval) leave
-    every module sharded, the root included.
+    backward; an int ``n`` (a divisor of the shard group's size, e.g. the GPUs
+    of one node) keeps 1/n of the parameters after forward, so that backward
+    gathers over n ranks only. Forwards without a backward following
+    (no_grad, eval) leave every module sharded, the root included.
+
+    ``shard_placement_fn(param)`` may return ``Shard(dim)`` to split that
+    parameter along ``dim`` (evenly) instead of dim 0, or None for dim 0.
+    ``offload_policy=CPUOffloadPolicy()`` keeps the sharded parameters, their
+    gradients and the optimizer state in CPU memory (offload.py).
 
     ``prefetch`` is how many modules ahead (in forward, then backward order)
     are gathered while this one computes. ``check=True`` (or ``SHARDWISE_CHECK=1``
     when this is called) verifies the lifecycle at every forward entry and
     backward end and raises ``LifecycleError`` on a violation (check.py).
     """
-    if isinstance(module, FSDPModule):
+    modules = _as_modules(module)
+    if dp_mesh_dims is not None:
         raise ValueError(
-            f"{type(module).__name__} is already sharded by fully_shard; call it once per module"
+            "dp_mesh_dims (parameters already DTensors on the full SPMD mesh) is not supported "
+            "by shardwise yet; make them DTensors on the tp sub-mesh (parallelize_module with "
+            "mesh['tp']) and pass mesh=mesh['dp'] (docs/design.md, tensor parallel)"
         )
-    if isinstance(module, (list, tuple)):
+    if not (reshard_after_forward is None or isinstance(reshard_after_forward, (bool, int))):
         raise TypeError(
-            "fully_shard(list of modules): one group for several modules is not supported "
-            "by shardwise yet; call fully_shard on each module"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if type(module).forward is nn.Module.forward:
-        raise ValueError(
-            f"fully_shard needs a module with a forward, got a {type(module).__name__} "
-            "(a container: its hooks would never run); shard the modules inside it, e.g. "
-            "for layer in model.layers: fully_shard(layer), then the module that calls them"
-        )
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        hint = (
-            " (an int, resharding to a smaller group, is not supported by shardwise yet)"
-            if isinstance(reshard_after_forward, int)
-            else ""
-        )
-        raise TypeError(
-            f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}"
-            + hint
+            "reshard_after_forward must be True, False, None or an int (the group size to "
+            f"reshard to), got {reshard_after_forward!r}"
         )
     mesh = mesh if mesh is not None else default_mesh()
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
@@ -130,33 +131,147 @@ def fully_shard(
         )
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (modules gathered ahead), got {prefetch!r}")
+    raf, post_forward_size = _resolve_reshard(reshard_after_forward, mesh)
     policy = _as_policy(mp_policy)
+    offload = check_offload_policy(offload_policy, mesh)
     ignored = {id(p) for p in ignored_params or ()}
-    named = _owned_params(module, ignored)
-    _check_params(module, named, mesh.device_type)
+    named = _owned_params(modules, ignored)
+    _check_params(modules[0], named, mesh.device_type)
     tp = _tp_layouts(named, mesh)
+    dims = _shard_dims(named, mesh, shard_placement_fn, tp)
 
     if check is None:
         check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
-    label = type(module).__name__
-    state = ModuleState(module, mesh, reshard_after_forward, policy, prefetch, label, bool(check))
+    label = type(modules[0]).__name__
+    state = ModuleState(modules, mesh, raf, policy, prefetch, label, bool(check))
     if named:
-        state.group = ParamGroup(state, named, mesh, policy, label, tp)
+        state.group = ParamGroup(state, named, mesh, policy, label, tp, dims, offload)
+        if post_forward_size:
+            state.group.post_forward_group = post_forward_group(mesh, post_forward_size)
         _groups.add(state.group)
     for _, p, _ in named:
         _taken[id(p)] = weakref.ref(p)
-    module._shardwise_state = state  # type: ignore[assignment]
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
-    # State dicts always see the sharded DTensors, also while a module is kept
-    # gathered (reshard_after_forward/backward=False): reshard first.
-    module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: state.reshard_now())
-    module._register_load_state_dict_pre_hook(_before_load, with_module=True)
-    cls = type(module)
-    if cls not in _subclass_cache:
-        _subclass_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = _subclass_cache[cls]
+    for m in modules:
+        m._shardwise_state = state  # type: ignore[assignment]
+        m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+        m.register_forward_hook(state.post_forward)
+        # State dicts always see the sharded DTensors, also while a module is kept
+        # gathered (reshard_after_forward/backward=False): reshard first.
+        m.register_state_dict_pre_hook(lambda m, prefix, keep_vars: state.reshard_now())
+        m._register_load_state_dict_pre_hook(_before_load, with_module=True)
+        cls = type(m)
+        if cls not in _subclass_cache:
+            _subclass_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.__class__ = _subclass_cache[cls]
     return module
+
+
+def _as_modules(module: Any) -> list[nn.Module]:
+    """``module`` as a list of distinct, unsharded modules with a forward (or TypeError/ValueError)."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules; pass at least one")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"{type(m).__name__} is already sharded by fully_shard; call it once per module"
+            )
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard needs a module with a forward, got a {type(m).__name__} "
+                "(a container: its hooks would never run); shard the modules inside it, e.g. "
+                "for layer in model.layers: fully_shard(layer), then the module that calls them"
+            )
+    if len({id(m) for m in modules}) < len(modules):
+        raise ValueError("fully_shard got the same module twice in its list; list each once")
+    return modules
+
+
+def _resolve_reshard(raf: bool | int | None, mesh: DeviceMesh) -> tuple[bool | None, int]:
+    """``reshard_after_forward`` as (the bool or None the hooks use, the post-forward
+    group size, 0 for none). An int n is checked against the shard group size."""
+    if raf is None or isinstance(raf, bool):
+        return raf, 0
+    world = mesh.size(mesh.ndim - 1)
+    if raf < 1 or world % raf:
+        raise ValueError(
+            f"reshard_after_forward={raf} must divide the shard group size {world} (the "
+            "number of ranks each parameter is split over), e.g. the GPUs of one node"
+        )
+    if raf == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) keeps whole parameters after forward: the same as "
+            "reshard_after_forward=False",
+            stacklevel=3,
+        )
+        return False, 0
+    if raf == world:
+        return True, 0
+    return True, raf
+
+
+_post_forward_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def post_forward_group(mesh: DeviceMesh, n: int) -> dist.ProcessGroup:
+    """This rank's group of n consecutive ranks of its shard group.
+
+    Every rank creates every such group (``new_group`` is collective over the
+    world), in the same order; groups are shared between modules.
+    """
+    rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()  # one per shard group
+    me = dist.get_rank()
+    mine = None
+    for row in rows:
+        for i in range(0, len(row), n):
+            ranks = tuple(row[i : i + n])
+            if ranks not in _post_forward_groups:
+                _post_forward_groups[ranks] = dist.new_group(list(ranks))
+            if me in ranks:
+                mine = _post_forward_groups[ranks]
+    assert mine is not None
+    return mine
+
+
+def _shard_dims(
+    named: list[Any], mesh: DeviceMesh, fn: Any, tp: list[TPLayout | None] | None
+) -> list[int] | None:
+    """The dim each parameter is split along, from ``shard_placement_fn`` (checked)."""
+    if fn is None:
+        return None
+    world = mesh.size(mesh.ndim - 1)
+    dims = []
+    for i, (fqn, p, _) in enumerate(named):
+        placement = fn(p)
+        if placement is None:
+            dims.append(0)
+            continue
+        if not isinstance(placement, Shard):
+            raise ValueError(
+                f"shard_placement_fn returned {placement!r} for {fqn!r}; return Shard(dim) "
+                "or None (Shard(0))"
+            )
+        dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= dim < p.dim():
+            raise ValueError(
+                f"shard_placement_fn returned Shard({placement.dim}) for {fqn!r}, which has "
+                f"{p.dim()} dims {tuple(p.shape)}"
+            )
+        if dim != 0 and tp is not None and tp[i] is not None:
+            raise ValueError(
+                f"shard_placement_fn returned Shard({dim}) for the tensor parallel parameter "
+                f"{fqn!r}; shardwise splits TP parameters along dim 0 only"
+            )
+        if dim != 0 and p.shape[dim] % world:
+            raise ValueError(
+                f"shard_placement_fn: {fqn!r} has size {p.shape[dim]} along dim {dim}, which "
+                f"does not split evenly over {world} ranks; pick a dim it divides (or Shard(0), "
+                "which may be uneven)"
+            )
+        dims.append(dim)
+    return dims
 
 
 def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy | None:
@@ -172,9 +287,9 @@ def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy | None:
 
 
 def _owned_params(
-    module: nn.Module, ignored: set[int]
+    modules: list[nn.Module], ignored: set[int]
 ) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """Parameters of ``module`` outside sharded descendants, with every place each is registered."""
+    """Parameters of ``modules`` outside sharded descendants, with every place each is registered."""
     found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     sharded: set[int] | None = None  # ids of live sharded DTensors, once a DTensor shows up
 
@@ -194,7 +309,7 @@ def _owned_params(
             fqn = prefix + name
             if taken(p):
                 raise ValueError(
-                    f"parameter {fqn!r} of {type(module).__name__} is already owned by another "
+                    f"parameter {fqn!r} of {type(modules[0]).__name__} is already owned by another "
                     "fully_shard call (a weight tied across separately sharded modules?). Shard "
                     "the common parent of every module that uses it instead, or pass it in "
                     "ignored_params"
@@ -207,7 +322,8 @@ def _owned_params(
             if child is not None and not isinstance(child, FSDPModule):
                 visit(child, f"{prefix}{cname}.")
 
-    visit(module, "")
+    for i, m in enumerate(modules):
+        visit(m, f"{i}." if len(modules) > 1 else "")
     return list(found.values())
 
 
@@ -261,8 +377,13 @@ def _before_load(
     # assign=True would install the loaded tensors as parameters; the group
     # makes its own sharded parameters from them instead (load_assigned).
     paths = {id(m): p for p, m in module.named_modules(remove_duplicate=False)}
+    # (A group of several modules: each one's state dict holds its own parameters.)
     keys = [
-        [prefix + (f"{paths[id(m)]}." if paths[id(m)] else "") + name for m, name in sp.locations]
+        [
+            prefix + (f"{paths[id(m)]}." if paths[id(m)] else "") + name
+            for m, name in sp.locations
+            if id(m) in paths
+        ]
         for sp in state.group.params
     ]
     state.group.load_assigned(state_dict, keys)

@@ -15,7 +15,8 @@ its own thread and ``wait()`` blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,3 +156,31 @@ def all_reduce(
     p = Pending(work, then=then, label=label)
     _notify("all_reduce", tensor, n, label, p)
     return p
+
+
+_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def side_stream(kind: str, device: torch.device | None) -> Iterator[None]:
+    """Issue a collective's copy-in, and the collective, beside compute.
+
+    On a GPU, what runs inside goes on this device's ``kind`` stream
+    ("gather": casts and host uploads before all-gathers; "reduce": the
+    gradient copy-in before reduce-scatters), after the compute issued so far:
+    the copy then overlaps the compute queued next, and NCCL, issued on the same
+    stream, waits for the copy rather than for compute. Buffers are allocated
+    by the caller before entering (on the compute stream, so no new memory
+    pool) and held until the collective is waited for. Elsewhere (CPU, or
+    ``device`` None) it runs where it would anyway.
+    """
+    if device is None or device.type != "cuda":
+        yield
+        return
+    key = (kind, device.index if device.index is not None else torch.cuda.current_device())
+    stream = _streams.get(key)
+    if stream is None:
+        stream = _streams[key] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield

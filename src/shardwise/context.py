@@ -121,6 +121,7 @@ class FSDPContext:
             s.order_index = i
         self.phase = Phase.IDLE
         self.pending_reduces: list[ReduceJob] = []
+        self.downloads: list[Any] = []  # CPU offload: gradients copied to host, in flight
         self.events: deque[str] = deque(maxlen=32)
         self.check = any(s.check for s in states)
         self.fwd = Recording()
@@ -142,6 +143,7 @@ class FSDPContext:
         # A forward that raised leaves modules FORWARD and maybe gathered:
         # recover here rather than refuse every later step.
         for s in self.states:
+            s._to_run.clear()  # a group whose modules did not all run last time
             if s.phase is not Phase.IDLE:
                 s.phase = Phase.IDLE
                 s.reshard_now()
@@ -165,6 +167,8 @@ class FSDPContext:
 
     def end_forward(self) -> None:
         self._in_forward = False
+        for s in self.states:
+            s._to_run.clear()
         self.fwd.finish(self._depths())
         tracer = active_trace()
         if tracer is not None:
@@ -219,6 +223,7 @@ class FSDPContext:
         # plain autograd keeps the gradients it accumulated before the error.
         # A held module's partial sum is dropped: its backward never finished.
         self.finish_reduces()
+        self.wait_downloads()
         if self.held is not None and self.held.group is not None:
             self.held.group.clear_accumulated()
         self.held = None
@@ -235,6 +240,12 @@ class FSDPContext:
         for job in jobs:
             job.finish()
 
+    def wait_downloads(self) -> None:
+        """CPU offload: the optimizer may read the CPU gradients once this returns."""
+        for event in self.downloads:
+            event.synchronize()
+        self.downloads.clear()
+
     def _final_callback(self) -> None:
         """End of backward: every reduction done, every module sharded and IDLE.
 
@@ -245,6 +256,7 @@ class FSDPContext:
         self.release_held()
         if self.is_last_backward:
             self.finish_reduces()
+        self.wait_downloads()
         error = None
         if self.check:
             from .check import check_backward_end
@@ -270,6 +282,7 @@ class FSDPContext:
         if self.phase is Phase.BACKWARD:
             self.abandon_backward()
         self.finish_reduces()
+        self.wait_downloads()
         self.held = None
         for s in self.states:
             s.phase = Phase.IDLE

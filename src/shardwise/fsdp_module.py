@@ -86,7 +86,9 @@ class FSDPModule:
     def _sharded_states(self, recurse: bool) -> list[ModuleState]:
         if not recurse:
             return [self._shardwise_state]
-        return [m._shardwise_state for m in self.modules() if isinstance(m, FSDPModule)]  # type: ignore[attr-defined]
+        modules = self.modules()  # type: ignore[attr-defined]
+        found = [m._shardwise_state for m in modules if isinstance(m, FSDPModule)]
+        return list({id(s): s for s in found}.values())  # a group of several modules once
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
@@ -97,6 +99,8 @@ class FSDPModule:
             )
         for s in self._sharded_states(recurse):
             s.reshard_after_forward = s.reshard_after_forward_setting = reshard_after_forward
+            if s.group is not None:
+                s.group.post_forward_group = None  # as FSDP2: a bool replaces an int
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -322,3 +326,17 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(module, args, out)
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's call to make several roots (pipeline stages) share communication streams.
+
+    shardwise's collectives run on their process group's own streams and its
+    offload copies on one stream per device, never on per-root streams: they
+    are shared already, so this only checks its input.
+    """
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"share_comm_ctx expects modules sharded by fully_shard, got {type(m).__name__}"
+            )

@@ -39,7 +39,7 @@ class ModuleState:
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         mesh: DeviceMesh,
         reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy | None,
@@ -47,7 +47,11 @@ class ModuleState:
         label: str,
         check: bool = False,
     ) -> None:
-        self.module = module
+        self.module = modules[0]
+        # fully_shard([a, b]): one group for several modules, gathered when the
+        # first of them runs and resharded after the last (``_to_run``).
+        self.modules = modules
+        self._to_run: set[int] = set()
         self.check = check
         self.mesh = mesh
         self.label = label
@@ -85,10 +89,12 @@ class ModuleState:
 
     def _lazy_init(self) -> FSDPContext:
         """The first forward of an outermost sharded module makes it the root."""
-        states = []
-        for name, m in self.module.named_modules():
-            if hasattr(m, "_shardwise_state"):  # an FSDPModule
-                s = m._shardwise_state
+        states: list[ModuleState] = []
+        for root in self.modules:
+            for name, m in root.named_modules():
+                s = getattr(m, "_shardwise_state", None)  # an FSDPModule
+                if s is None or any(s is t for t in states):
+                    continue  # a group of several modules appears once, at its first
                 s.label = name or s.label  # the root keeps its class name
                 if s.group is not None:
                     s.group.label = s.label
@@ -141,7 +147,11 @@ class ModuleState:
         tracer = active_trace()
         if ctx.phase is Phase.BACKWARD and not _autograd_running():
             ctx.abandon_backward()
-        if ctx.phase is Phase.BACKWARD:
+        later = bool(self._to_run) and ctx.phase is not Phase.BACKWARD
+        if later:
+            # Another module of this group ran first in this forward: gathered already.
+            self._to_run.discard(id(module))
+        elif ctx.phase is Phase.BACKWARD:
             # A recomputed forward (activation checkpointing) inside backward:
             # never prefetch in forward order -- that module's backward may be
             # over already, and nothing would reshard it again (the seed bug).
@@ -171,9 +181,12 @@ class ModuleState:
             targets = self.fwd_targets if self.fwd_targets is not None else needs
             self._set_phase(Phase.FORWARD)
             self._gather(targets if targets is not None else self.fwd_default)
+            if len(self.modules) > 1:
+                self._to_run = {id(m) for m in self.modules if m is not module}
         if self.group is not None and torch.is_grad_enabled():
             self.group.attach()
-            if not self.group.attached:
+            if not self.group.attached and not later:
+                # (In a group, the first module's inputs get their gradients last.)
                 args, kwargs = _AfterInputGrads.wrap(self, args, kwargs)
         policy = self.mp_policy
         if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
@@ -201,6 +214,8 @@ class ModuleState:
             if tracer is not None:
                 tracer.end("recompute", self.label)
             return output
+        if self._to_run:
+            return output  # more modules of this group run in this forward: keep it gathered
         self._set_phase(Phase.IDLE)
         will_backward = bool(tensors) and torch.is_grad_enabled()
         if self is ctx.root:
@@ -209,13 +224,13 @@ class ModuleState:
                 # None) it is kept; wasted prefetches are dropped.
                 for s in ctx.states:
                     if s.reshard_after_forward:
-                        s.reshard_now()
+                        s.reshard_now(keep=True)
             else:
                 # No backward follows: nobody may stay gathered, root included.
                 ctx.reshard_all()
             ctx.end_forward()
         elif self.reshard_after_forward and self.group is not None:
-            self.group.reshard()
+            self.group.reshard(keep=True)
         return output
 
     def _pre_backward(self, attachment: Attachment | None, grad: torch.Tensor) -> None:
@@ -308,9 +323,10 @@ class ModuleState:
         self.backward_done = False
         self.phase = Phase.IDLE
 
-    def reshard_now(self) -> None:
-        if self.group is not None and self.group.state is not GroupState.SHARDED:
-            self.group.reshard()
+    def reshard_now(self, keep: bool = False) -> None:
+        """Free what is gathered; ``keep``: after forward, what backward gathers from."""
+        if self.group is not None:
+            self.group.reshard(keep)
 
 
 class _AfterInputGrads(torch.autograd.Function):

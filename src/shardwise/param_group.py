@@ -47,9 +47,8 @@ TP module expects.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +56,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
-from . import collectives
+from . import collectives, offload
+from .offload import CPUOffloadPolicy
 from .precision import MixedPrecisionPolicy, resolve_dtypes
+from .sharded_param import ShardedParam
 from .tensor_parallel import TPLayout, contiguous_stride
 from .trace import active as active_trace
 
@@ -77,43 +79,6 @@ class GroupState(Enum):
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor without going through autograd (hot path)."""
     return t._local_tensor  # type: ignore[attr-defined]
-
-
-@dataclass
-class ShardedParam:
-    """One parameter: where it is registered, how it is split, its two forms."""
-
-    fqn: str
-    locations: list[tuple[nn.Module, str]]
-    shape: torch.Size  # of what is sharded: the parameter, or its TP-local piece
-    requires_grad: bool  # at fully_shard; afterwards the sharded parameter's flag rules
-    chunk_rows: int  # rows per rank, like torch.chunk: ceil(rows / world)
-    row_numel: int
-    offset: int  # start of this parameter's slot in the per-rank flat shard
-    local_rows: int
-    tp: TPLayout | None = None
-    index: int = 0  # position in its group
-    sharded: nn.Parameter = field(init=False)
-    unsharded: torch.Tensor = field(init=False)
-    plain: torch.Tensor = field(init=False)  # installed while gathered: unsharded, or its DTensor
-
-    @property
-    def slot(self) -> int:
-        return self.chunk_rows * self.row_numel
-
-    @property
-    def local_numel(self) -> int:
-        return self.local_rows * self.row_numel
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return (self.local_rows, *self.shape[1:])
-
-    def install(self, t: torch.Tensor) -> None:
-        # Direct dict writes: nn.Module.__setattr__ refuses non-Parameters, and
-        # the unsharded forms are autograd outputs, not leaves.
-        for module, name in self.locations:
-            module._parameters[name] = t  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -156,8 +121,11 @@ class ParamGroup:
         mp_policy: MixedPrecisionPolicy | None,
         label: str,
         tp: Sequence[TPLayout | None] | None = None,
+        dims: Sequence[int] | None = None,
+        offload_policy: CPUOffloadPolicy | None = None,
     ) -> None:
-        """``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter)."""
+        """``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter);
+        ``dims[i]``: the dimension it is split along (default 0)."""
         self.owner = owner
         self.label = label
         self.mesh = mesh
@@ -165,10 +133,15 @@ class ParamGroup:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
-        self.placements: tuple[Placement, ...] = (
-            (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        # Where gathered parameters and gradients live; the shards too, unless
+        # offloaded to host memory (offload.py).
+        cuda = mesh.device_type == "cuda"
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
-        self.communicates = self.world > 1  # gathers go over the wire (else: alias or cast)
+        self.offload_policy = offload_policy
+        # Gathers go over the wire or the host link (else: an alias or a cast).
+        self.communicates = self.world > 1 or offload_policy is not None
         self.orig_dtype = named[0][1].dtype
         self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
         self.state = GroupState.SHARDED
@@ -181,6 +154,10 @@ class ParamGroup:
         self.custom_all_gather: Any = None
         self.custom_reduce_scatter: Any = None
         self.reduce_scatter_group = self.shard_group  # or a separate one, to overlap gathers
+        # reshard_after_forward=int: after forward keep 1/n of the parameters, so
+        # that backward gathers over a group of n ranks only (set_post_forward_group).
+        self.post_forward_group: Any = None
+        self._kept: torch.Tensor | None = None
         self._partial: tuple[list[int], torch.Tensor] | None = None  # (members, summed shard)
         self.prefetched = False  # gathered by another module's prefetch, not yet used
         self.last_used: list[bool] | None = None  # which parameters got gradients last time
@@ -195,36 +172,32 @@ class ParamGroup:
         self.has_tp = any(t is not None for t in layouts)
         self.params: list[ShardedParam] = []
         offset = 0
-        for (fqn, p, locs), layout in zip(named, layouts):
+        for i, ((fqn, p, locs), layout) in enumerate(zip(named, layouts)):
             shape = local_of(p).shape if layout is not None else p.shape
-            rows = shape[0]
-            chunk = math.ceil(rows / self.world)
-            local_rows = max(0, min(chunk, rows - self.rank * chunk))
+            dim = dims[i] if dims is not None else 0
             sp = ShardedParam(
-                fqn,
-                locs,
-                shape,
-                p.requires_grad,
-                chunk,
-                math.prod(shape[1:]),
-                offset,
-                local_rows,
-                layout,
+                fqn, locs, shape, p.requires_grad, self.world, self.rank, offset, dim, layout
             )
             sp.index = len(self.params)
             self.params.append(sp)
             offset += sp.slot
+        # Parameters split along a dim other than 0 are copied out one by one.
+        self.interleaved = any(sp.dim != 0 for sp in self.params)
         self.shard_numel = offset
         self._shard(named)
 
     # ---- construction -------------------------------------------------------------------
 
+    def placements(self, sp: ShardedParam) -> tuple[Placement, ...]:
+        """The sharded DTensor's placements: ``Shard(dim)``, replicated first under HSDP."""
+        shard = Shard(sp.dim)
+        return (Replicate(), shard) if self.mesh.ndim == 2 else (shard,)
+
     def _device_for(self, src: torch.device) -> torch.device:
+        """Where the shards of parameters now on ``src`` go."""
         if src.type == "meta":
             return src
-        if self.mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.mesh.device_type)
+        return torch.device("cpu") if self.offload_policy is not None else self.device
 
     def _shard(self, named: Sequence[tuple[str, nn.Parameter, Any]]) -> None:
         """Copy this rank's rows of each parameter into a fresh flat shard.
@@ -236,36 +209,28 @@ class ParamGroup:
         rows: list[torch.Tensor | None] = []
         for sp, (_, p, _) in zip(self.params, named):
             src = local_of(p) if sp.tp is not None else p
-            rows.append(None if device.type == "meta" else self._my_rows(sp, src.detach()))
+            rows.append(None if device.type == "meta" else sp.my_piece(src.detach()))
         self._build(device, rows, [sp.requires_grad for sp in self.params])
-
-    def _my_rows(self, sp: ShardedParam, full: torch.Tensor) -> torch.Tensor:
-        start = self.rank * sp.chunk_rows
-        return full[start : start + sp.local_rows]
 
     def _build(
         self, device: torch.device, rows: list[torch.Tensor | None], requires_grad: list[bool]
     ) -> None:
         """A new flat shard on ``device`` holding ``rows[i]`` for parameter i (None: zeros),
         and new sharded ``nn.Parameter``s viewing it, installed in the modules."""
-        self.flat = torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=device)
+        self.flat = self._new_flat(device)
         self._locals: list[torch.Tensor] = []
         for sp, r, grad in zip(self.params, rows, requires_grad):
             view = self._flat_view(sp)
-            if r is not None and sp.local_rows:
+            if r is not None and sp.local_numel:
                 view.copy_(r)
             if sp.tp is None:
-                mesh, placements, shape = self.mesh, self.placements, sp.shape
+                mesh, placements, shape = self.mesh, self.placements(sp), sp.shape
             else:
                 mesh, placements, shape = sp.tp.sharded_mesh, sp.tp.sharded_placements, sp.tp.shape
-            dt = DTensor.from_local(
-                view,
-                mesh,
-                placements,
-                run_check=False,
-                shape=shape,
-                stride=contiguous_stride(shape),
-            )
+            # The constructor, not from_local: that would move an offloaded
+            # shard to the mesh's device.
+            meta = TensorMeta(shape, contiguous_stride(shape), view.dtype)
+            dt = DTensor(view, DTensorSpec(mesh, tuple(placements), meta), requires_grad=False)  # type: ignore[call-arg]
             sp.sharded = nn.Parameter(dt, requires_grad=grad)
             self._locals.append(local_of(sp.sharded))
             sp.install(sp.sharded)
@@ -313,7 +278,7 @@ class ParamGroup:
             ):
                 return local_of(value).detach()
         elif isinstance(value, torch.Tensor) and sp.tp is None and value.shape == sp.shape:
-            return self._my_rows(sp, value.detach())
+            return sp.my_piece(value.detach())
         what = (
             f"a DTensor {tuple(value.shape)} with placements {tuple(value.placements)}"
             if isinstance(value, DTensor)
@@ -325,13 +290,26 @@ class ParamGroup:
             "tensor or a DTensor laid out like model.state_dict()'s"
         )
 
+    def _new_flat(self, device: torch.device) -> torch.Tensor:
+        if self.offload_policy is not None and device.type == "cpu":
+            return offload.host_buffer(
+                self.shard_numel, self.orig_dtype, self.offload_policy.pin_memory
+            )
+        return torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=device)
+
     def _flat_view(self, sp: ShardedParam) -> torch.Tensor:
         return self.flat[sp.offset : sp.offset + sp.local_numel].view(sp.local_shape)
 
     def _make_unsharded_views(self, device: torch.device) -> None:
+        if self.offload_policy is not None and device.type != "meta":
+            device = self.device  # gathered on the GPU, from shards in host memory
         # One rank in the parameters' own dtype: the shards are the whole
         # parameters, so the unsharded forms simply alias them.
-        self.aliased = self.world == 1 and self.compute_dtype == self.orig_dtype
+        self.aliased = (
+            self.world == 1
+            and self.compute_dtype == self.orig_dtype
+            and self.offload_policy is None
+        )
         if self.aliased:
             self.unsharded_flat = self.flat
         else:
@@ -345,9 +323,14 @@ class ParamGroup:
             )
             sp.plain = sp.unsharded if sp.tp is None else sp.tp.constant(sp.unsharded)
         # Rank-major gather output -> param-major parameters, one kernel.
+        # (Views of the flat buffer, not of the parameters: writing through them
+        # must not bump the parameters' version counters, which autograd checks.)
+        # Split along another dim: [before, world, piece, after], each rank's piece in place.
         self._copy_out = [
             self.unsharded_flat[sp.offset * self.world : (sp.offset + sp.slot) * self.world].view(
-                self.world, sp.slot
+                (self.world, sp.slot)
+                if sp.dim == 0
+                else (sp.before, self.world, sp.chunk, sp.after)
             )
             for sp in self.params
         ]
@@ -364,7 +347,7 @@ class ParamGroup:
         if all(local_of(sp.sharded) is loc for sp, loc in zip(self.params, self._locals)):
             return
         first = local_of(self.params[0].sharded)
-        self.flat = torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=first.device)
+        self.flat = self._new_flat(first.device)
         self._locals = []
         for sp in self.params:
             view = self._flat_view(sp)
@@ -386,26 +369,42 @@ class ParamGroup:
             return
         if self.world == 1:
             self._allocate_unsharded()
-            self.unsharded_flat.copy_(self.flat)  # one casting copy is the whole "gather"
-            self.state = GroupState.UNSHARDED
-            self._install_plain()
+            if self.offload_policy is None:
+                self.unsharded_flat.copy_(self.flat)  # one casting copy is the whole "gather"
+                self.state = GroupState.UNSHARDED
+                self._install_plain()
+                return
+            with collectives.side_stream("gather", self.device):  # the upload, beside compute
+                self.unsharded_flat.copy_(self.flat, non_blocking=True)
+                self._pending = collectives.Pending(offload.Uploaded(self.device))
+            self._gather_out = self.unsharded_flat
+            self.state = GroupState.GATHERING
             return
-        src = (
-            self.flat if self.compute_dtype == self.orig_dtype else self.flat.to(self.compute_dtype)
-        )
-        if len(self.params) == 1:  # rank-major == param-major: gather in place
+        if len(self.params) == 1 and not self.interleaved:  # rank-major == param-major: in place
             self._allocate_unsharded()
             out = self.unsharded_flat
         else:
             # The parameters' storage is allocated only at the copy-out: a
             # gather in flight (a prefetch) holds one buffer, not two.
             out = torch.empty(
-                self.world * self.shard_numel, dtype=self.compute_dtype, device=self.flat.device
+                self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device
+            )
+        if self._kept is not None:
+            # What forward kept (reshard_after_forward=int): gather the rest over n ranks.
+            src, group, copy_in = self._kept, self.post_forward_group, False
+        else:
+            src, group = self.flat, self.shard_group
+            # A cast to param_dtype, or an upload from host memory, comes first.
+            copy_in = self.flat.dtype != self.compute_dtype or self.flat.device != self.device
+            if copy_in:
+                src = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        with collectives.side_stream("gather", self.device if copy_in else None):
+            if copy_in:
+                src.copy_(self.flat, non_blocking=True)
+            self._pending = collectives.all_gather(
+                out, src, group, self.label, self.custom_all_gather
             )
         self._gather_in, self._gather_out = src, out
-        self._pending = collectives.all_gather(
-            out, src, self.shard_group, self.label, self.custom_all_gather
-        )
         self.state = GroupState.GATHERING
 
     def wait_unsharded(self) -> None:
@@ -417,13 +416,16 @@ class ParamGroup:
         self._pending.wait()
         if self._gather_out is not self.unsharded_flat:
             self._allocate_unsharded()
-            torch.split_with_sizes_copy(
-                self._gather_out.view(self.world, self.shard_numel),
-                [sp.slot for sp in self.params],
-                dim=1,
-                out=self._copy_out,
-            )
-        self._pending = self._gather_in = self._gather_out = None
+            gathered = self._gather_out.view(self.world, self.shard_numel)
+            if not self.interleaved:
+                torch.split_with_sizes_copy(
+                    gathered, [sp.slot for sp in self.params], dim=1, out=self._copy_out
+                )
+            else:
+                pieces = gathered.split([sp.slot for sp in self.params], dim=1)
+                for sp, piece, out in zip(self.params, pieces, self._copy_out):
+                    out.copy_(piece if sp.dim == 0 else sp.rank_major(piece))
+        self._pending = self._gather_in = self._gather_out = self._kept = None
         self.state = GroupState.UNSHARDED
         self._install_plain()
 
@@ -485,7 +487,13 @@ class ParamGroup:
         """Forget the forward pass's attachment (a new forward needs a new one)."""
         self.attachment = None
 
-    def reshard(self) -> None:
+    def reshard(self, keep: bool = False) -> None:
+        """Free the unsharded parameters. ``keep``: after forward, with a post-forward
+        group (``reshard_after_forward=int``), keep this rank's part for backward."""
+        if keep and self.post_forward_group is not None and self.state is GroupState.UNSHARDED:
+            self._kept = self._part_for_backward()
+        elif not keep:
+            self._kept = None
         if self.state is GroupState.GATHERING:
             assert self._pending is not None
             self._pending.wait()
@@ -505,12 +513,28 @@ class ParamGroup:
         if tracer is not None:
             tracer.instant("reshard", self.label)
 
+    def _part_for_backward(self) -> torch.Tensor:
+        """The rank-major gather input for the post-forward group: the pieces of
+        ``world / n`` consecutive ranks, so that gathering it over the n ranks of
+        the group (in their order) yields every rank's piece in rank order."""
+        n = self.post_forward_group.size()
+        per = self.world // n
+        start = (self.rank % n) * per
+        parts = []
+        for sp, out in zip(self.params, self._copy_out):
+            if sp.dim == 0:
+                parts.append(out[start : start + per])
+            else:
+                parts.append(out.transpose(0, 1)[start : start + per].reshape(per, sp.slot))
+        return torch.cat(parts, dim=1).view(-1)
+
     @property
     def unsharded_bytes(self) -> int:
-        """Bytes of unsharded storage this group holds right now."""
+        """Bytes of unsharded storage this group holds right now (also a kept part)."""
+        kept = 0 if self._kept is None else self._kept.nbytes
         if self.aliased:
-            return 0
-        return self.unsharded_flat.untyped_storage().nbytes()
+            return kept
+        return self.unsharded_flat.untyped_storage().nbytes() + kept
 
     # ---- gradients ----------------------------------------------------------------------
 
@@ -604,15 +628,15 @@ class ReduceJob:
         self.used = used
         hsdp = g.replicate_group is not None
         plain = g.divide_factor is None and g.all_reduce_hook is None
-        if g.world == 1 and not hsdp and plain:
+        if g.world == 1 and not hsdp and plain and g.offload_policy is None:
             # Nothing to average: the gradients are the shards.
             if g.reduce_scatter_unused:
                 grads = _zeros_for(g, grads, self.members)
             self.shards: list[Any] = [None if t is None else t.contiguous() for t in grads]
             return
-        device = g.flat.device
+        device = g.device
         padded = _zeros_for(g, grads, self.members)
-        filled = [t for t in (padded[sp.index] for sp in self.members) if t is not None]
+        filled = [sp.for_reduce(t) for sp in self.members if (t := padded[sp.index]) is not None]
         if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
             filled = [t.to(g.reduce_dtype) for t in filled]
         numel = sum(sp.slot for sp in self.members)
@@ -622,15 +646,19 @@ class ReduceJob:
             self._rs_in = None
         else:
             self._rs_in = torch.empty(g.world, numel, dtype=g.reduce_dtype, device=device)
-            torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
-            self._pending = collectives.reduce_scatter(
-                self.out,
-                self._rs_in.view(-1),
-                g.reduce_scatter_group,
-                g.label,
-                divide_by=None if g.divide_factor is not None else g.world,
-                comm=g.custom_reduce_scatter,
-            )
+            # The copy-in overlaps the backward compute queued next; the gradients
+            # it reads are held until finish() has waited for the reduction.
+            self._grads: list[torch.Tensor] | None = filled
+            with collectives.side_stream("reduce", device):
+                torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
+                self._pending = collectives.reduce_scatter(
+                    self.out,
+                    self._rs_in.view(-1),
+                    g.reduce_scatter_group,
+                    g.label,
+                    divide_by=None if g.divide_factor is not None else g.world,
+                    comm=g.custom_reduce_scatter,
+                )
         self.shards = []
 
     def finish(self) -> None:
@@ -638,7 +666,7 @@ class ReduceJob:
         g = self.group
         if self._pending is not None:
             self._pending.wait()
-            self._pending = self._rs_in = None
+            self._pending = self._rs_in = self._grads = None
         if not self.shards:
             out = self.out
             if g.replicate_group is not None:
@@ -648,12 +676,26 @@ class ReduceJob:
                 out.div_(g.divide_factor)
             if g.all_reduce_hook is not None:
                 g.all_reduce_hook(out)
+            if g.offload_policy is not None:
+                out = self._download(out)
             self.shards = [None] * len(g.params)
             offset = 0
             for sp in self.members:
                 self.shards[sp.index] = out[offset : offset + sp.local_numel].view(sp.local_shape)
                 offset += sp.slot
         g.assign_grads(self.shards, self.used)
+
+    def _download(self, out: torch.Tensor) -> torch.Tensor:
+        """The reduced shards, copied to host memory (offload): the CPU gradients."""
+        g = self.group
+        assert g.offload_policy is not None and g.owner.context is not None
+        host, done = offload.download(out, g.orig_dtype, g.offload_policy.pin_memory)
+        if done is not None:
+            if any(sp.sharded.grad is not None for sp in self.members):
+                done.synchronize()  # added to CPU gradients now: they must have arrived
+            else:
+                g.owner.context.downloads.append(done)  # waited for at the end of backward
+        return host
 
     def _all_reduce(self, out: torch.Tensor) -> bool:
         """HSDP: average ``out`` over the replicas, with sums held back before; False to hold."""
@@ -686,5 +728,5 @@ def _zeros_for(
     out = list(grads)
     for sp in members:
         if out[sp.index] is None:
-            out[sp.index] = torch.zeros(sp.shape, dtype=g.compute_dtype, device=g.flat.device)
+            out[sp.index] = torch.zeros(sp.shape, dtype=g.compute_dtype, device=g.device)
     return out

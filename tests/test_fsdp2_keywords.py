@@ -1,0 +1,317 @@
+"""FSDP2's other ``fully_shard`` keywords: a list of modules, an int
+``reshard_after_forward``, ``shard_placement_fn``; each against one process.
+
+All checks of one world size run in one set of processes (the module
+fixture); each test reads its own check's result.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import traceback
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+import shardwise
+from dist_utils import run_distributed
+from models import Net, batches, loss_fn
+from shardwise import collectives, fully_shard
+from test_core import assert_between_steps, make_opt, shard_net, step_and_compare
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def records(kind: str) -> tuple[list[collectives.CollectiveRecord], Callable[[], None]]:
+    seen: list[collectives.CollectiveRecord] = []
+    remove = collectives.add_observer(lambda rec, _: seen.append(rec) if rec.kind == kind else None)
+    return seen, remove
+
+
+def pairs_net(ac: str) -> tuple[Net, Net]:
+    """The reference, and a copy whose stages' two blocks share one group each."""
+    torch.manual_seed(0)
+    ref = Net(ac=ac)
+    model = copy.deepcopy(ref)
+    for stage in model.stages:
+        fully_shard([stage.a, stage.b])
+    fully_shard(model.extra)
+    fully_shard(model)
+    return ref, model
+
+
+# ---- a list of modules ---------------------------------------------------------------------
+
+
+def check_list_of_modules(rank: int, world: int) -> None:
+    for ac in ("none", "reentrant", "non-reentrant"):
+        ref, model = pairs_net(ac)
+        stage = model.stages[0]
+        assert isinstance(stage.a, shardwise.FSDPModule) and isinstance(
+            stage.b, shardwise.FSDPModule
+        )
+        assert stage.a._shardwise_state is stage.b._shardwise_state
+        assert isinstance(stage.b.fc1.weight, DTensor)
+        opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
+        gathers, remove_g = records("all_gather")
+        reduces, remove_r = records("reduce_scatter")
+        try:
+            for idx in batches(3):
+                gathers.clear()
+                reduces.clear()
+                step_and_compare(model, opt, ref, ref_opt, idx)
+                labels = [r.label for r in reduces]
+                # One reduce-scatter per group, not one per module of it.
+                assert labels.count("stages.0.a") == 1 and "stages.0.b" not in labels, labels
+                forward = [r.label for r in gathers].count("stages.0.a")
+                # Gathered once in forward and once in backward (the recompute reuses it).
+                assert forward == 2 and "stages.0.b" not in [r.label for r in gathers], (
+                    ac,
+                    gathers,
+                )
+        finally:
+            remove_g()
+            remove_r()
+
+
+def check_list_state_dict(rank: int, world: int) -> None:
+    ref, model = pairs_net("none")
+    shardwise.share_comm_ctx([model, model.stages[0].a])  # nothing to share: accepted
+    sd = model.state_dict()
+    assert set(sd) == set(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k].full_tensor(), v, msg=k)
+
+
+# ---- shard_placement_fn -------------------------------------------------------------------
+
+
+def columns(world: int) -> Callable[[nn.Parameter], Shard | None]:
+    """Shard(1) where the columns split evenly (like MoE experts), else the default."""
+    return lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % world == 0 else None
+
+
+def shard_by_columns(model: Net, world: int) -> None:
+    fn = columns(world)
+    for stage in model.stages:
+        fully_shard(stage.a, shard_placement_fn=fn)
+        fully_shard(stage.b, shard_placement_fn=fn)
+    fully_shard(model.extra, shard_placement_fn=fn)
+    fully_shard(model, shard_placement_fn=fn)
+
+
+def check_shard_placement_fn(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = Net(ac="reentrant")
+    model = copy.deepcopy(ref)
+    shard_by_columns(model, world)
+    w = model.stages[0].a.fc1.weight  # (16, 8)
+    assert w.placements == (Shard(1),) and w.to_local().shape == (16, 8 // world)
+    torch.testing.assert_close(w.to_local(), ref.stages[0].a.fc1.weight.chunk(world, dim=1)[rank])
+    assert model.stages[0].a.fc1.bias.placements == (Shard(0),)
+    opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
+    for idx in batches(3):
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        assert w.grad is not None and w.grad.placements == (Shard(1),)
+        opt.step()
+        opt.zero_grad()
+        want = loss_fn(ref, idx)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = loss.detach().clone()
+        dist.all_reduce(got)
+        torch.testing.assert_close(got / world, want.detach(), atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
+
+    # The same local pieces as FSDP2's Shard(1), and DCP round trips unchanged.
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    theirs = Net()
+    torch_fully_shard(theirs.stages[0].a, shard_placement_fn=columns(world))
+    torch.manual_seed(0)
+    ours = Net()
+    fully_shard(ours.stages[0].a, shard_placement_fn=columns(world))
+    for (name, a), b in zip(ours.stages[0].a.named_parameters(), theirs.stages[0].a.parameters()):
+        assert a.placements == b.placements, name
+        torch.testing.assert_close(a.to_local(), b.to_local(), msg=name)
+
+    import torch.distributed.checkpoint as dcp
+
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(model.state_dict(), checkpoint_id=path[0])
+    torch.manual_seed(1)
+    fresh = Net(ac="reentrant")
+    shard_by_columns(fresh, world)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=path[0])
+    fresh.load_state_dict(sd)
+    for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
+        assert a.placements == b.placements, name
+        torch.testing.assert_close(a.to_local(), b.to_local(), msg=name)
+
+
+# ---- reshard_after_forward: int ------------------------------------------------------------
+
+
+def check_reshard_to_smaller_group(rank: int, world: int) -> None:
+    for ac in ("none", "non-reentrant"):
+        torch.manual_seed(0)
+        ref = Net(ac=ac)
+        model = copy.deepcopy(ref)
+        shard_net(model, {"raf": 2})
+        group = model.stages[1].a._shardwise_state.group
+        opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
+        gathers, remove = records("all_gather")
+        try:
+            for idx in batches(3):
+                gathers.clear()
+                loss = loss_fn(model, idx.chunk(world)[rank])
+                in_forward = [(r.label, r.group_size) for r in gathers]
+                # After forward it keeps its part over 2 ranks: half of the parameters.
+                full = group.world * group.shard_numel * 4
+                assert group.unsharded_bytes == full // 2, (group.unsharded_bytes, full)
+                gathers.clear()
+                loss.backward()
+                in_backward = [(r.label, r.group_size) for r in gathers]
+                assert_between_steps(model)  # the kept parts are freed too
+                opt.step()
+                opt.zero_grad()
+                want = loss_fn(ref, idx)
+                want.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                got = loss.detach().clone()
+                dist.all_reduce(got)
+                torch.testing.assert_close(got / world, want.detach(), atol=1e-5, rtol=1e-5)
+                blocks = {"stages.0.a", "stages.0.b", "stages.1.a", "stages.1.b", "extra"}
+                assert {n for n, size in in_forward if size == world} >= blocks, in_forward
+                # Backward gathers the blocks over 2 ranks only (the root was kept).
+                assert {n for n, size in in_backward if n in blocks} == blocks, in_backward
+                assert all(size == 2 for n, size in in_backward if n in blocks), in_backward
+        finally:
+            remove()
+        # set_reshard_after_forward(True) replaces the int, as FSDP2's does.
+        model.set_reshard_after_forward(True)
+        loss = loss_fn(model, batches(1)[0].chunk(world)[rank])
+        assert group.unsharded_bytes == 0
+        loss.backward()
+
+
+def check_reshard_int_edges(rank: int, world: int) -> None:
+    lin = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="reshard_after_forward=False"):
+        fully_shard(lin, reshard_after_forward=1)
+    assert lin._shardwise_state.reshard_after_forward is False
+    whole = nn.Linear(4, 4)
+    fully_shard(whole, reshard_after_forward=world)  # the whole group: plain True
+    assert whole._shardwise_state.group.post_forward_group is None
+
+
+# ---- offload_policy ------------------------------------------------------------------------
+
+
+def offload_worker(rank: int, world: int, device: str = "cpu") -> None:
+    """Shards, gradients and optimizer state in host memory; the steps as one process's.
+
+    Also on the GPUs (tests/test_cuda.py), where the copies really happen.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+
+    torch.manual_seed(0)
+    ref = Net(d=16, ac="non-reentrant").to(device)
+    model = copy.deepcopy(ref)
+    for stage in model.stages:
+        fully_shard(stage.a, offload_policy=shardwise.CPUOffloadPolicy())
+        fully_shard(stage.b, offload_policy=shardwise.CPUOffloadPolicy(pin_memory=False))
+    fully_shard(
+        model.extra, offload_policy=shardwise.CPUOffloadPolicy(), reshard_after_forward=False
+    )
+    fully_shard(model, offload_policy=TorchCPUOffloadPolicy())  # torch's policy works too
+    pinned = device == "cuda"
+    for name, p in model.named_parameters():
+        assert p.to_local().device.type == "cpu", name
+        if "stages.0.a." in name:
+            assert p.to_local().is_pinned() == pinned, name
+    opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
+    for step, idx in enumerate(batches(3)):
+        idx = idx.to(device)
+        mine = idx.chunk(world)[rank]
+        if step == 1:  # two backwards into the same (CPU) gradients
+            loss = torch.zeros((), device=device)
+            for half in mine.chunk(2):
+                part = loss_fn(model, half) / 2
+                part.backward()
+                loss += part.detach()
+        else:
+            loss = loss_fn(model, mine)
+            loss.backward()
+        assert_between_steps(model)
+        for name, p in model.named_parameters():
+            assert p.grad is not None and p.grad.to_local().device.type == "cpu", name
+        opt.step()
+        opt.zero_grad()
+        want = loss_fn(ref, idx)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = loss.detach().clone()
+        dist.all_reduce(got)
+        torch.testing.assert_close(got / world, want.detach(), atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.to_local().device.type == "cpu", name
+        torch.testing.assert_close(p.full_tensor().to(device), q, atol=1e-5, rtol=1e-5, msg=name)
+
+
+CHECKS: dict[str, Callable[[int, int], None]] = {
+    "offload_policy": offload_worker,
+    "list of modules": check_list_of_modules,
+    "list of modules: state dict": check_list_state_dict,
+    "shard_placement_fn": check_shard_placement_fn,
+    "reshard_after_forward=int": check_reshard_to_smaller_group,
+    "reshard_after_forward=int: 1 and world": check_reshard_int_edges,
+}
+W2 = {"list of modules", "list of modules: state dict", "shard_placement_fn", "offload_policy"}
+# An int needs a group size strictly between 1 and the world: 4 ranks.
+W4 = {"shard_placement_fn", "reshard_after_forward=int", "reshard_after_forward=int: 1 and world"}
+
+
+def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                CHECKS[name](rank, world)
+            out[name] = None
+        except Exception:  # noqa: BLE001 - reported by the check's own test
+            out[name] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[tuple[str, int], str | None]:
+    found: dict[tuple[str, int], str | None] = {}
+    for world, names in ((2, sorted(W2)), (4, sorted(W4))):
+        per_rank = run_distributed(run_checks, world, names, timeout=250)
+        for n in names:
+            found[(n, world)] = next((r[n] for r in per_rank if r[n]), None)
+    return found
+
+
+CASES = [(n, 2) for n in sorted(W2)] + [(n, 4) for n in sorted(W4)]
+
+
+@pytest.mark.parametrize(("name", "world"), CASES, ids=[f"{n}-w{w}" for n, w in CASES])
+def test_fully_shard_keyword(results: dict, name: str, world: int) -> None:
+    assert results[(name, world)] is None, f"{name} at world {world}:\n{results[(name, world)]}"
