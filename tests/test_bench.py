@@ -176,49 +176,35 @@ def test_ratios_are_taken_within_each_size_and_setting() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_size_sweep_has_rows_and_a_breakdown_per_size(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_sweep_of_a_size_and_an_hf_model_compiled_with_their_checkpointing(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result, stdout = _run(["--model", "tiny,small", "--configs", "shardwise"], tmp_path, capsys)
+    llama, layers = build(resolve(f"hf:{llama_dir}", 16, False), torch.device("cpu"), "reentrant")
+    on = getattr(llama, "is_activation_checkpointing", None) or llama.is_gradient_checkpointing
+    assert on and layers == list(llama.model.layers)  # the model's own checkpointing
+    models = f"tiny,hf:{llama_dir}"
+    args = ["--model", models, "--configs", "shardwise", "--compile", "--ac", "non-reentrant"]
+    result, stdout = _run(args, tmp_path, capsys)
     rows = result["rows"]
-    assert [(r["model"], r["config"]) for r in rows] == [
-        ("tiny", "shardwise"),
-        ("small", "shardwise"),
-    ]
-    assert result["meta"]["models"] == ["tiny", "small"]
-    for r in rows:
-        expected = _expected_bytes(GPT(SIZES[r["model"]].with_seq_len(16)))
-        assert r["step_ms"] > 0 and math.isfinite(r["loss"]) and not r["compiled"]
-        assert r["params"] * 4 == expected["parameters"]
+    assert [r["model"] for r in rows] == models.split(",")
+    assert result["meta"]["models"] == models.split(",")
+    assert [r["model_type"] for r in rows] == ["gpt", "llama"]
+    for r, model in zip(rows, (GPT(SIZES["tiny"].with_seq_len(16)), llama)):
+        assert r["compiled"] and r["dynamo_graphs"] >= 1 and r["ac"] == "non-reentrant"
+        assert r["step_ms"] > 0 and math.isfinite(r["loss"])
+        assert r["params"] == sum(p.numel() for p in model.parameters())
         m = r["memory"]
-        # One rank, fp32: the flat shards hold exactly the unsharded model's bytes.
+        # One rank, fp32 (the Llama too, though its config says bf16): the flat
+        # shards hold exactly the unsharded model's bytes.
+        expected = _expected_bytes(model)
         assert m["exact"] == expected
         assert {k: m["parts"][k] for k in expected} == expected
         assert set(m["parts"]) == set(memory.CPU_PARTS)
         assert all(v > 0 for v in m["parts"].values()), m["parts"]
         assert sum(m["parts"].values()) == m["peak_bytes"]
         assert set(m["stages"]) == {"start", "forward", "backward", "step"}
-    assert rows[1]["memory"]["exact"]["parameters"] > rows[0]["memory"]["exact"]["parameters"]
-    assert stdout.index("model tiny:") < stdout.index("model small:")  # grouped by size
+    assert stdout.index("model tiny:") < stdout.index(f"model hf:{llama_dir}:")  # grouped
     assert "memory at the peak (GiB): cpu peak RSS (coarse" in stdout
-
-
-@pytest.mark.timeout(120)
-def test_hf_model_compiled_with_its_own_checkpointing(
-    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model, layers = build(resolve(f"hf:{llama_dir}", 16, False), torch.device("cpu"), "reentrant")
-    on = getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
-    assert on and layers == list(model.model.layers)
-    args = ["--model", f"hf:{llama_dir}", "--configs", "shardwise"]
-    result, stdout = _run([*args, "--compile", "--ac", "non-reentrant"], tmp_path, capsys)
-    (row,) = result["rows"]
-    assert row["model_type"] == "llama" and row["compiled"] and row["ac"] == "non-reentrant"
-    assert row["dynamo_graphs"] >= 1  # something was compiled
-    assert row["step_ms"] > 0 and math.isfinite(row["loss"])
-    assert row["params"] == sum(p.numel() for p in model.parameters())
-    assert row["memory"]["exact"] == _expected_bytes(model)  # fp32, though saved as bf16
-    assert f"model hf:{llama_dir}:" in stdout
 
 
 # ---- bad input: one line, exit 2, nothing written --------------------------------------------
@@ -265,3 +251,53 @@ def test_hf_without_transformers(
     assert benchmark.main(args) == 2
     assert "needs the transformers package" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_cuda_memory_step_plumbing_with_a_fake_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path cannot run here: drive it with a fake allocator that keeps a record."""
+    trace: list[dict[str, Any]] = []
+    state = {"allocated": 1024, "peak": 1024, "recording": False}
+
+    def alloc(addr: int, size: int, *frames: tuple[str, str]) -> None:
+        trace.append(_alloc(addr, size, *frames))
+        state["allocated"] += size
+        state["peak"] = max(state["peak"], state["allocated"])
+
+    def free(addr: int, size: int) -> None:
+        trace.append(_free(addr, size))
+        state["allocated"] -= size
+
+    fake_memory = type(sys)("fake_cuda_memory")
+    fake_memory._record_memory_history = lambda enabled, **kw: state.update(recording=enabled)  # type: ignore[attr-defined]
+    fake_memory._snapshot = lambda: {"device_traces": [list(trace)]}  # type: ignore[attr-defined]
+    monkeypatch.setattr(torch.cuda, "memory", fake_memory)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda: state.update(peak=state["allocated"])
+    )
+    monkeypatch.setattr(memory, "memory_mark", lambda device: trace.extend(_mark(0xF00)))
+
+    def run_step(mark: Any) -> None:
+        assert state["recording"] == "all"
+        alloc(0x100, 4096, GPT_FWD)
+        mark("forward")
+        alloc(0x200, 2048, (SW, "_allocate_unsharded"))
+        alloc(0x300, 1024)  # the gradient
+        free(0x200, 2048)
+        free(0x100, 4096)
+        mark("backward")
+        mark("step")
+
+    held = {"parameters": {0x10: 1024}, "gradients": {0x300: 1024}, "optimizer_state": {}}
+    got = memory.cuda_memory_step(run_step, torch.device("cuda"), lambda: held)
+    assert state["recording"] is None  # switched off again
+    assert got["peak_bytes"] == 1024 + 4096 + 2048 + 1024
+    assert got["unattributed_bytes"] == 0 and got["peak_during"] == "backward"
+    assert got["parts"]["activations"] == 4096 and got["parts"]["gathered_params"] == 2048
+    assert got["parts"]["gradients"] == 1024 and got["parts"]["parameters"] == 1024
+    assert got["exact"] == {"parameters": 1024, "gradients": 1024, "optimizer_state": 0}
+    assert got["stages"]["forward"] == {"allocated": 1024 + 4096, "peak": 1024 + 4096}
+    assert got["stages"]["backward"]["peak"] == 1024 + 4096 + 2048 + 1024
