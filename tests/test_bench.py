@@ -137,6 +137,23 @@ def test_allocator_record_is_attributed_at_its_peak() -> None:
     assert got == {"peak_bytes": sum(parts.values()), "parts": parts, "peak_during": "backward"}
 
 
+def test_the_code_attributed_by_stack_still_exists() -> None:
+    """A rename in shardwise or torch would silently move memory to another part."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param
+
+    from shardwise import collectives, param_group
+
+    assert all(hasattr(param_group.ParamGroup, n) for n in memory._SHARDWISE_GATHERED)
+    for module in (param_group, collectives):
+        assert module.__file__ and module.__file__.endswith(memory._SHARDWISE_COMM_FILES)
+    fsdp2 = (_fsdp_param.FSDPParam, _fsdp_param, _fsdp_collectives)
+    assert all(any(hasattr(m, n) for m in fsdp2) for n in memory._FSDP2_GATHERED)
+    for module in (_fsdp_param, _fsdp_collectives):
+        assert module.__file__ and module.__file__.replace("\\", "/").endswith(
+            tuple(f"torch/distributed/fsdp/_fully_shard/{f}" for f in memory._FSDP2_COMM_FILES)
+        )
+
+
 # ---- runs ------------------------------------------------------------------------------------
 
 
