@@ -137,6 +137,7 @@ def build(
             )
     if any(p.dtype != torch.float32 for p in model.parameters()):
         model.float()
+    model.to(device)  # a no-op where the device context was honoured
     model.train()
     if ac != "none":
         kwargs = {"use_reentrant": ac == "reentrant"}
