@@ -52,7 +52,7 @@ MAX_ENTRIES = 2_000_000  # far above one step at 7B; a full ring buffer is repor
 # Functions whose allocations are unsharded parameter storage. Anything else
 # allocated by the same files is a communication buffer (gather input/output,
 # reduce-scatter input/output), unless it survives as a gradient.
-_SHARDWISE_GATHERED = {"_allocate_unsharded", "_make_unsharded_views"}
+_SHARDWISE_GATHERED = {"_allocate_unsharded", "_make_unsharded_views", "_part_for_backward"}
 _SHARDWISE_COMM_FILES = ("shardwise/param_group.py", "shardwise/collectives.py")
 _FSDP2_GATHERED = {
     "alloc_all_gather_outputs",
@@ -60,6 +60,7 @@ _FSDP2_GATHERED = {
     "init_unsharded_param",
     "alloc_storage",
     "foreach_all_gather_copy_out",
+    "to_sharded_post_forward",  # what reshard_after_forward=int keeps for backward
 }
 _FSDP2_COMM_FILES = ("_fsdp_collectives.py", "_fsdp_param.py")
 
