@@ -318,3 +318,43 @@ def test_cuda_memory_step_plumbing_with_a_fake_allocator(monkeypatch: pytest.Mon
     assert got["exact"] == {"parameters": 1024, "gradients": 1024, "optimizer_state": 0}
     assert got["stages"]["forward"] == {"allocated": 1024 + 4096, "peak": 1024 + 4096}
     assert got["stages"]["backward"]["peak"] == 1024 + 4096 + 2048 + 1024
+
+
+@pytest.mark.parametrize("failing", ["recording", "snapshot"])
+def test_a_failed_record_costs_the_attribution_not_the_row(
+    failing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recording: list[Any] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no history on this build")
+
+    fake_memory = type(sys)("fake_cuda_memory")
+    fake_memory._record_memory_history = (  # type: ignore[attr-defined]
+        refuse if failing == "recording" else lambda enabled, **kw: recording.append(enabled)
+    )
+    fake_memory._snapshot = refuse  # type: ignore[attr-defined]
+    monkeypatch.setattr(torch.cuda, "memory", fake_memory)
+    for name, value in (
+        ("synchronize", None),
+        ("memory_allocated", 100),
+        ("max_memory_allocated", 900),
+    ):
+        monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(memory, "memory_mark", lambda device: None)
+    phases: list[str] = []
+
+    def run_step(mark: Any) -> None:
+        for phase in memory.PHASES:
+            phases.append(phase)
+            mark(phase)
+
+    held = {"parameters": {1: 300}, "gradients": {2: 300}, "optimizer_state": {}}
+    got = memory.cuda_memory_step(run_step, torch.device("cuda"), lambda: held)
+    assert phases == list(memory.PHASES)  # the step ran all the same
+    assert got["stages"]["backward"] == {"allocated": 100, "peak": 900}
+    assert f"attribution failed: {failing}: RuntimeError: no history" in got["method"]
+    assert recording == ([] if failing == "recording" else ["all", None])  # off again
+    assert got["parts"]["parameters"] == 300 and got["parts"]["other"] == 900 - 600
+    assert set(got["parts"]) == set(memory.CUDA_PARTS)

@@ -239,31 +239,62 @@ def cuda_memory_step(
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    cuda_memory._record_memory_history(
-        "all", context="alloc", stacks="python", max_entries=MAX_ENTRIES
-    )
+    # Failures of the record itself (not of the step, whose collectives every
+    # rank must finish) cost the attribution, never the row's timings.
+    problem = None
+    try:
+        cuda_memory._record_memory_history(
+            "all", context="alloc", stacks="python", max_entries=MAX_ENTRIES
+        )
+    except Exception as e:  # noqa: BLE001
+        problem = f"recording: {type(e).__name__}: {e}"
+    snapshot: Any = None
+    recording = problem is None
     try:
         run_step(mark)
         torch.cuda.synchronize()
-        snapshot = cuda_memory._snapshot()
+        if problem is None:
+            try:
+                snapshot = cuda_memory._snapshot()
+            except Exception as e:  # noqa: BLE001
+                problem = f"snapshot: {type(e).__name__}: {e}"
     finally:
-        cuda_memory._record_memory_history(None)
+        if recording:
+            cuda_memory._record_memory_history(None)
     held = held_fn()
-    trace = snapshot["device_traces"][torch.cuda.current_device()]
-    result = attribute_peak(trace, baseline, held)
+    exact = exact_bytes(held)
     allocator_peak = max(s["peak"] for s in stages.values())
-    return {
+    out: dict[str, Any] = {
         "method": "cuda allocator record, attributed at the peak",
         "peak_bytes": allocator_peak,
-        "parts": result["parts"],
+        "stages": {"start": {"allocated": baseline}, **stages},
+        "exact": exact,
+    }
+    try:
+        if problem is not None:
+            raise RuntimeError(problem)
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        result = attribute_peak(trace, baseline, held)
+    except Exception as e:  # noqa: BLE001
+        parts = dict.fromkeys(CUDA_PARTS, 0) | exact
+        parts["other"] = allocator_peak - sum(exact.values())
+        out.update(
+            method=f"cuda, exact parts only (attribution failed: {str(e).splitlines()[0]})",
+            parts=parts,
+            unattributed_bytes=0,
+            peak_during="unknown",
+            record_truncated=False,
+        )
+        return out
+    out.update(
+        parts=result["parts"],
         # The replayed total against the allocator's own peak: what rounding
         # and blocks larger than requested leave unattributed (or a truncated record).
-        "unattributed_bytes": allocator_peak - result["peak_bytes"],
-        "peak_during": result["peak_during"],
-        "record_truncated": len(trace) >= MAX_ENTRIES,
-        "stages": {"start": {"allocated": baseline}, **stages},
-        "exact": exact_bytes(held),
-    }
+        unattributed_bytes=allocator_peak - result["peak_bytes"],
+        peak_during=result["peak_during"],
+        record_truncated=len(trace) >= MAX_ENTRIES,
+    )
+    return out
 
 
 def cpu_memory_step(
