@@ -112,6 +112,22 @@ def test_sample_prints_a_continuation(reference: Path, nproc: str) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_compile_gives_the_uncompiled_losses(reference: Path, tmp_path: Path) -> None:
+    """--compile (aot_eager on CPU): the reference run's first steps, with compiled blocks.
+
+    With --steps 3 and the reference's warmup of 2, steps 1-3 see the same
+    learning rates (each loss is taken before its step's update).
+    """
+    short = ["--steps", "3", "--warmup", "2", *FAST[2:]]
+    r = shardwise("train", *short, "--compile", "--nproc", "2", "--out", "run", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["compile"] is True
+    got = [row["loss"] for row in rows(tmp_path / "run")]
+    want = [row["loss"] for row in rows(reference)][:3]
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.timeout(150)
 def test_torchrun_direct_with_hsdp_accumulation_checkpointing_bf16(tmp_path: Path) -> None:
     """The same entry under torchrun itself, with the flags a plain run does not touch."""
     cmd = [
@@ -211,6 +227,7 @@ def _bad(args: list[str], cwd: Path) -> str:
         (["--nproc", "10000"], "--nproc 10000 is more than"),
         (["--nproc", "2", "--hsdp", "3"], "--hsdp 3 does not divide the 2 processes"),
         (["--resume", "."], "not a checkpoint"),
+        (["--hf", "no/such/model"], "--hf no/such/model: no such folder"),
     ],
 )
 def test_bad_input(args: list[str], message: str, tmp_path: Path) -> None:
@@ -231,6 +248,16 @@ def test_resume_of_another_model_size(reference: Path, tmp_path: Path) -> None:
 def test_sample_of_a_folder_that_is_no_checkpoint(tmp_path: Path) -> None:
     line = _bad(["sample", "--ckpt", str(tmp_path)], tmp_path)
     assert "not a checkpoint" in line
+
+
+@pytest.mark.timeout(60)
+def test_export_of_a_gpt_run_is_refused(reference: Path, tmp_path: Path, capsys) -> None:
+    from shardwise.cli.main import main
+
+    assert main(["export", "--ckpt", str(reference), "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "a run of the built-in GPT" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "never").exists()
 
 
 # ---- the pieces the CLI is built from (in process, no subprocess needed) ---------------------

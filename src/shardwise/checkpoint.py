@@ -47,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -126,10 +127,18 @@ def _reshard_all(model: nn.Module) -> None:
             m.reshard()
 
 
-def _model_state(model: nn.Module) -> dict[str, Any]:
-    """The model's state dict under canonical names (no ``_orig_mod.``/DDP prefixes)."""
+def _model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, Any]:
+    """The model's state dict under canonical names (no ``_orig_mod.``/DDP prefixes).
+
+    ``trainable_only``: parameters that require grad (LoRA adapters), no frozen
+    ones and no buffers.
+    """
     _reshard_all(model)
-    return get_model_state_dict(model)
+    if not trainable_only:
+        return get_model_state_dict(model)
+    sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in sd.items() if k in trainable}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -250,6 +259,8 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
+    *,
+    trainable_only: bool = False,
 ) -> None:
     """Save a checkpoint to the folder ``path``; call on every rank.
 
@@ -258,9 +269,13 @@ def save(
     state); rank 0's is kept. Each rank's RNG states (torch, CUDA, Python,
     NumPy) are stored too. Any existing checkpoint at ``path`` is replaced only
     once the new one is complete. All ranks must see the same filesystem.
+
+    ``trainable_only`` saves only the parameters that require grad (LoRA
+    adapters over a frozen base the run can load again); load it with
+    ``trainable_only=True`` into a model whose frozen part is already loaded.
     """
     path = Path(path)
-    state: dict[str, Any] = {"model": _model_state(model)}
+    state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     _on_rank0("preparing the checkpoint folder", lambda: _prepare(path))
@@ -281,6 +296,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     restore_rng: bool = True,
+    trainable_only: bool = False,
 ) -> Any:
     """Load a checkpoint into ``model`` (and ``optimizer``) in place; return ``extra``.
 
@@ -293,10 +309,13 @@ def load(
     Also reads plain DCP checkpoints, e.g. ``dcp.save({"model": sd, "optim": osd})``
     or ``dcp.save(model.state_dict())`` from torch FSDP2; those have no
     ``extra`` and ``None`` is returned.
+
+    ``trainable_only``: the checkpoint was saved with it; the frozen
+    parameters and the buffers are left as they are.
     """
     path = _resolve(Path(path))
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    model_sd = _model_state(model)
+    model_sd = _model_state(model, trainable_only)
     prefix = _layout(metadata, model_sd)
     _check_model(path, metadata, model_sd, prefix)
     state: dict[str, Any] = {"model": model_sd} if prefix else dict(model_sd)
@@ -310,7 +329,11 @@ def load(
         _check_optimizer(path, metadata, state["optim"])
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, **_no_dist(dcp.load))
-    set_model_state_dict(model, state["model"] if prefix else state)
+    loaded = state["model"] if prefix else state
+    if trainable_only:
+        set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+    else:
+        set_model_state_dict(model, loaded)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     extra_file = path / EXTRA_FILE

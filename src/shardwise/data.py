@@ -18,6 +18,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,19 +41,20 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Corpus:
-    train: torch.Tensor  # uint8 bytes
+    train: torch.Tensor  # uint8 bytes, or int32 token ids
     val: torch.Tensor
     source: str  # where it came from, for humans and config.json
     n_files: int
     sha256: str  # of the whole corpus, to notice a resume on different data
+    unit: str = "bytes"  # or "tokens": what train and val hold
 
     def describe(self) -> dict[str, object]:
         return {
             "source": self.source,
             "files": self.n_files,
             "sha256": self.sha256,
-            "train_bytes": self.train.numel(),
-            "val_bytes": self.val.numel(),
+            f"train_{self.unit}": self.train.numel(),
+            f"val_{self.unit}": self.val.numel(),
         }
 
 
@@ -104,14 +106,46 @@ def check_data_path(path: str | None) -> None:
 
 
 def load_corpus(
-    path: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES, min_split_bytes: int = 2
+    path: str | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    min_split_bytes: int = 2,
+    tokenizer: Any = None,
 ) -> Corpus:
-    """Read the corpus and split it: the last ``VAL_FRACTION`` of the bytes is validation.
+    """Read the corpus and split it: the last ``VAL_FRACTION`` of it is validation.
 
     ``path``: None for the standard library, a text file, or a folder of text
     files. ``max_bytes`` caps only the default corpus. Both splits must hold
     at least ``min_split_bytes`` (one window plus its next-byte target).
+
+    With a ``tokenizer`` (a transformers one), each file is one document,
+    tokenized on its own, and the documents are packed into one stream with
+    the tokenizer's EOS token after each; the splits and ``min_split_bytes``
+    then count tokens.
     """
+    chunks, source = _read(path, max_bytes)
+    # A blank line between files, so one file's end does not run into the next's start.
+    raw = b"\n\n".join(chunks)[: max_bytes if path is None else None]
+    sha = hashlib.sha256(raw).hexdigest()
+    if tokenizer is None:
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        unit = "bytes"
+    else:
+        # The default corpus's cap may cut its last file short: so are its documents.
+        data = _tokens(_cap(chunks, len(raw)) if path is None else chunks, tokenizer)
+        unit = "tokens"
+    n_val = max(min_split_bytes, int(data.numel() * VAL_FRACTION))
+    if data.numel() - n_val < min_split_bytes:
+        raise DataError(
+            f"--data {path or source}: {data.numel()} {unit} is too little text; it needs at "
+            f"least {min_split_bytes + n_val} {unit} for windows of this --seq-len and a "
+            "validation split"
+        )
+    return Corpus(data[:-n_val], data[-n_val:], source, len(chunks), sha, unit)
+
+
+def _read(path: str | None, max_bytes: int) -> tuple[list[bytes], str]:
+    """The files' contents in order (the default corpus up to ``max_bytes``), and where from."""
     check_data_path(path)
     if path is None:
         files, source, cap = stdlib_sources(), "python-stdlib", max_bytes
@@ -130,18 +164,33 @@ def load_corpus(
         total += len(chunks[-1]) + 2
         if cap is not None and total >= cap:
             break
-    # A blank line between files, so one file's end does not run into the next's start.
-    raw = b"\n\n".join(chunks)[:cap]
-    n_val = max(min_split_bytes, int(len(raw) * VAL_FRACTION))
-    if len(raw) - n_val < min_split_bytes:
-        raise DataError(
-            f"--data {path or source}: {len(raw)} bytes is too little text; it needs at least "
-            f"{min_split_bytes + n_val} bytes for windows of this --seq-len and a validation split"
-        )
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return Corpus(
-        data[:-n_val], data[-n_val:], source, len(chunks), hashlib.sha256(raw).hexdigest()
-    )
+    return chunks, source
+
+
+def _cap(chunks: list[bytes], n: int) -> list[bytes]:
+    """The documents within the first ``n`` bytes of their blank-line-joined text."""
+    out, used = [], 0
+    for c in chunks:
+        if used >= n:
+            break
+        out.append(c[: n - used])
+        used += len(c) + 2
+    return out
+
+
+def _tokens(docs: list[bytes], tokenizer: Any, batch: int = 64) -> torch.Tensor:
+    """Each document tokenized on its own, then packed, with EOS after each (int32 ids)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the model's tokenizer has no EOS token to put between documents")
+    parts = []
+    for i in range(0, len(docs), batch):
+        texts = [d.decode("utf-8", errors="replace") for d in docs[i : i + batch]]
+        # verbose=False: documents longer than the model's context are expected here
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        for doc in ids:
+            parts.append(torch.tensor([*doc, eos], dtype=torch.int32))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
 
 class BatchSampler:

@@ -18,8 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 COMMANDS = {
-    "train": ("shardwise.cli.train", "train a small GPT with every block fully sharded"),
+    "train": (
+        "shardwise.cli.train",
+        "train a small GPT, or fine-tune a transformers model (--hf), fully sharded",
+    ),
     "sample": ("shardwise.cli.sample", "print a continuation from a trained checkpoint"),
+    "export": (
+        "shardwise.cli.export",
+        "write a fine-tuned run (--hf) as a folder transformers loads",
+    ),
     "bench": ("shardwise.cli.bench", "measure throughput and memory"),
 }
 EXIT_USAGE = 2
@@ -61,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _usage() -> str:
-    lines = ["usage: shardwise {train,sample,bench} ...", "", "commands:"]
+    lines = [f"usage: shardwise {{{','.join(COMMANDS)}}} ...", "", "commands:"]
     lines += [f"  {name:<8}{help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'shardwise COMMAND --help' for a command's flags."]
     return "\n".join(lines)
@@ -161,7 +168,8 @@ def launch(
 
     The worker flags are passed as ``--flag=value``: the launcher's own parser
     scans them too, and would take a bare ``--nproc`` or ``--st`` for an
-    abbreviation of one of its options.
+    abbreviation of one of its options. A ``True`` value passes a bare switch,
+    and ``False`` or ``None`` none.
 
     On Ctrl-C, SIGTERM or SIGHUP the launcher passes the signal on to every worker and
     waits for them; ``on_signal(launch_id, signum)`` then decides the exit code from
@@ -204,7 +212,11 @@ def launch(
             str(where.rdzv_endpoint),
         ]
     try:
-        worker_argv = [f"--{k.replace('_', '-')}={v}" for k, v in worker_args.items()]
+        worker_argv = [
+            f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+            for k, v in worker_args.items()
+            if v is not None and v is not False
+        ]
         # The entry script, not ``--module shardwise``: see cli/worker.py.
         torchrun.run(torchrun.parse_args([*flags, worker_entry.__file__, command, *worker_argv]))
     except SignalException as e:

@@ -20,7 +20,9 @@ from .main import LAUNCH_ID_ENV
 class Reporter:
     """Progress bar (plain lines when not on a terminal), metrics rows, plots, the summary."""
 
-    def __init__(self, cfg: dict[str, Any], n_params: int, start_step: int) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], n_params: int, start_step: int, trained: int | None = None
+    ) -> None:
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -43,10 +45,17 @@ class Reporter:
         self.every = max(1, cfg["steps"] // 20)
         mp = "" if cfg["mixed_precision"] == "none" else f", {cfg['mixed_precision']}"
         resumed = f", resumed at step {start_step}" if start_step else ""
+        model = f"{cfg['model']} from {cfg['hf']}" if cfg.get("hf") else cfg["model"]
+        lora = (
+            f", LoRA r={cfg['lora']}: {(trained or 0) / 1e6:.2f}M trained"
+            if cfg.get("lora")
+            else ""
+        )
+        self.unit = "tokens" if cfg.get("hf") else "bytes"
         print(
-            f"shardwise train: {cfg['model']} ({n_params / 1e6:.2f}M parameters), "
+            f"shardwise train: {model} ({n_params / 1e6:.2f}M parameters{lora}), "
             f"{cfg['world_size']} x {cfg['device']}{mp}, {cfg['steps']} steps of "
-            f"{cfg['batch_size']} x {cfg['seq_len']} bytes{resumed} -> {self.out}",
+            f"{cfg['batch_size']} x {cfg['seq_len']} {self.unit}{resumed} -> {self.out}",
             flush=True,
         )
         if self.live:
@@ -94,7 +103,14 @@ class Reporter:
             self.progress.stop()
         self.metrics.close()
 
-    def finish(self, step: int, stopped: bool, signum: int | None, ckpt: Path) -> None:
+    def finish(
+        self,
+        step: int,
+        stopped: bool,
+        signum: int | None,
+        ckpt: Path,
+        exported: Path | None = None,
+    ) -> None:
         if self.live:
             self.progress.stop()
         self.metrics.close()
@@ -102,6 +118,7 @@ class Reporter:
             self.out,
             self.rows,
             title=f"{self.cfg['model']}, {self.cfg['world_size']} x {self.cfg['device']}",
+            unit=self.unit[:-1],
         )
         new = [r for r in self.rows if r["step"] > self.start_step]
         last = new[-10:] or self.rows[-1:]
@@ -119,6 +136,7 @@ class Reporter:
             "peak_mem_bytes": max((r["peak_mem_bytes"] for r in new), default=None),
             "wall_s": time.perf_counter() - self.t0,
             "checkpoint": str(ckpt),
+            "export": str(exported) if exported else None,
             "timeline": self.traced,  # rank 0's collectives and waits in the traced step
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -137,11 +155,14 @@ class Reporter:
             flush=True,
         )
         print(f"checkpoint: {ckpt}", flush=True)
+        if exported:
+            what = "PeftModel" if self.cfg.get("adapter_only") else "AutoModelForCausalLM"
+            print(f"export: {exported} (loads with {what}.from_pretrained)", flush=True)
         if stopped:
             print(f"resume with: shardwise train --resume {self.out}", flush=True)
 
 
-def plot(out: Path, rows: list[dict[str, Any]], title: str) -> None:
+def plot(out: Path, rows: list[dict[str, Any]], title: str, unit: str = "byte") -> None:
     """loss.png (train and validation loss) and throughput.png (tokens/s and peak memory)."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
@@ -152,7 +173,7 @@ def plot(out: Path, rows: list[dict[str, Any]], title: str) -> None:
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     if val:
         ax.plot(*zip(*val), "o-", ms=4, label="validation")
-    ax.set(xlabel="step", ylabel="loss (nats per byte)", title=f"loss: {title}")
+    ax.set(xlabel="step", ylabel=f"loss (nats per {unit})", title=f"loss: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(out / "loss.png", dpi=120)

@@ -3,7 +3,8 @@
 One process by default: the checkpoint's shards are stitched into a plain,
 unsharded model. With ``--nproc N`` (or under ``torchrun``) every rank loads
 its own shards into a sharded model and all ranks generate in lockstep; rank
-0 prints.
+0 prints. A run of ``shardwise train --hf`` samples its transformers model
+through the model's own tokenizer.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run folder (its latest checkpoint) or a checkpoint folder",
     )
     p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: 200)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=200,
+        help="bytes (tokens for a --hf run) to generate (default: 200)",
+    )
     p.add_argument(
         "--temperature",
         type=float,
@@ -84,17 +90,21 @@ def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distrib
     from .. import checkpoint
     from ..models.gpt import GPT, GPTConfig, generate, shard_model
 
-    cfg = GPTConfig(**config["model_config"])
     if distributed:
         w = init_worker()
         device, is_main = w.device, w.is_main
-        with torch.device(device):
-            model = GPT(cfg)
-        shard_model(model, mesh=init_device_mesh(device.type, (w.world,)))
     else:
         device, is_main = torch.device("cuda" if torch.cuda.is_available() else "cpu"), True
-        with torch.device(device):
-            model = GPT(cfg)
+    if config.get("hf"):
+        _sample_hf(args, ckpt, config, device, is_main, distributed)
+        if distributed:
+            dist.destroy_process_group()
+        return 0
+    cfg = GPTConfig(**config["model_config"])
+    with torch.device(device):
+        model = GPT(cfg)
+    if distributed:
+        shard_model(model, mesh=init_device_mesh(device.type, (w.world,)))
     with warnings.catch_warnings():
         # DCP warns that it loads "in a single process" when that is what we asked for.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -122,3 +132,43 @@ def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distrib
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+def _sample_hf(
+    args: argparse.Namespace,
+    ckpt: Any,
+    config: dict[str, Any],
+    device: Any,
+    is_main: bool,
+    distributed: bool,
+) -> None:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..models.gpt import generate
+    from ..models.hf import context_length, logits
+    from .finetune import load_run
+
+    mesh = (
+        init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        if distributed
+        else None
+    )
+    hf, tokenizer, extra = load_run(config, ckpt, device, mesh)
+    prompt = tokenizer(args.prompt)["input_ids"] or [tokenizer.eos_token_id]
+    idx = torch.tensor([prompt], dtype=torch.long, device=device)
+    gen = torch.Generator().manual_seed(args.seed)
+    out = generate(
+        lambda ids: logits(hf.model, ids),  # type: ignore[arg-type]
+        idx,
+        args.tokens,
+        seq_len=context_length(config["model_config"]) or config["seq_len"],
+        temperature=args.temperature,
+        top_k=args.top_k,
+        generator=gen,
+    )
+    if is_main:
+        step = extra.get("step", "?")
+        print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
+        text = tokenizer.decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True)
+        print(args.prompt + text, flush=True)

@@ -1,12 +1,15 @@
-"""``shardwise train``: train a small GPT with every block fully sharded.
+"""``shardwise train``: train a small GPT, or fine-tune a transformers model, fully sharded.
 
 Started by a person, this checks the flags, prepares the run folder and starts
 the workers through ``torch.distributed.run``; started as a worker (by us or
 by ``torchrun`` directly) it trains. The worker half reads top to bottom:
-process group, run config, data, model, optimizer, resume, the loop, the end.
+process group, run config, model, data, optimizer, resume, the loop, the end.
+What is particular to ``--hf PATH`` (a model from disk, LoRA, the export)
+lives in ``finetune.py``.
 
 Every run folder holds ``config.json``, ``metrics.jsonl`` (one row per step),
-``loss.png``, ``throughput.png``, ``summary.json`` and ``checkpoints/step_N``.
+``loss.png``, ``throughput.png``, ``summary.json`` and ``checkpoints/step_N``;
+a finished ``--hf`` run also ``export/``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .failures import (
     report_worker_failure,
     save_failure,
 )
+from .finetune import DEFAULTS as FINETUNE_DEFAULTS
 from .main import (
     LAUNCH_ID_ENV,
     UsageError,
@@ -76,6 +80,8 @@ DEFAULTS: dict[str, Any] = {
     "eval_every": 20,
     "eval_batches": 4,
     "save_every": 0,
+    "compile": False,
+    **FINETUNE_DEFAULTS,
 }
 # How our launcher hands the resolved config to its workers (see main()).
 CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
@@ -87,10 +93,12 @@ PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "medium": 3e-4, "large": 1.5e-4}
 
 def build_parser() -> argparse.ArgumentParser:
     from ..models.gpt import CHECKPOINTING, SIZES
+    from . import finetune
 
     p = argparse.ArgumentParser(
         prog="shardwise train",
-        description="Train a small byte-level GPT with every block fully sharded.",
+        description="Train a small byte-level GPT, or fine-tune a transformers model from "
+        "disk (--hf), with every block fully sharded.",
         epilog="With --resume, every training flag not given is taken from the resumed run.",
     )
     t = p.add_argument_group("training")
@@ -129,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         "world/R processes, replicate across R groups (default: 1, plain FSDP)",
     )
     t.add_argument("--seed", type=int, help="seed of the initial weights and the data order")
+    t.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each sharded block's forward: inductor on CUDA, aot_eager on "
+        "CPU (default: off)",
+    )
+    finetune.add_arguments(p)
     d = p.add_argument_group("data and output")
     d.add_argument(
         "--data",
@@ -196,6 +212,7 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
     from .. import __version__
     from ..data import DataError, load_corpus
     from ..models.gpt import SIZES
+    from . import finetune
 
     given = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None}
     resumed: dict[str, Any] = {}
@@ -212,13 +229,16 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
                     "does not match it"
                 )
     c = {k: given.get(k, resumed.get(k, v)) for k, v in DEFAULTS.items()}
-    model_cfg = SIZES[c["model"]].with_seq_len(c["seq_len"])
-    c["seq_len"] = model_cfg.seq_len
-    if resumed and resumed.get("model_config") != asdict(model_cfg):
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint's model shape "
-            f"{resumed.get('model_config')} differs from {c['model']!r} here"
-        )
+    model_config = finetune.resolve(c, given, resumed, args.resume)
+    if model_config is None:  # the built-in GPT
+        model_cfg = SIZES[c["model"]].with_seq_len(c["seq_len"])
+        c["seq_len"] = model_cfg.seq_len
+        model_config = asdict(model_cfg)
+        if resumed and resumed.get("model_config") != model_config:
+            raise UsageError(
+                f"--resume {args.resume}: the checkpoint's model shape "
+                f"{resumed.get('model_config')} differs from {c['model']!r} here"
+            )
     if c["lr"] is None:
         c["lr"] = PEAK_LR[c["model"]]
     if c["warmup"] is None:
@@ -260,7 +280,7 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
     out = _out_folder(args, resumed_run=run)
     return {
         **c,
-        "model_config": asdict(model_cfg),
+        "model_config": model_config,
         "world_size": world,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "out": str(out),
@@ -320,14 +340,13 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
 
     from .. import checkpoint
-    from ..data import BatchSampler, eval_offsets, load_corpus, windows
+    from ..data import BatchSampler, DataError, eval_offsets, load_corpus, windows
     from ..fsdp_module import FSDPModule
-    from ..models.gpt import GPT, GPTConfig, num_params, shard_model
-    from ..precision import MixedPrecisionPolicy
+    from ..models.gpt import num_params
     from ..trace import trace
+    from . import finetune
 
     if CONFIG_ENV in os.environ:
         cfg = json.loads(os.environ[CONFIG_ENV])  # our launcher resolved it and holds the lock
@@ -343,8 +362,15 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
         cfg = from_rank0(resolve_and_lock)
     out = Path(cfg["out"])
 
+    # Model: the same initial weights on every rank, then each keeps its shards.
+    torch.manual_seed(cfg["seed"])
+    model, forward, hf, tokenizer = finetune.build_model(cfg, w.device, w.world)
+
     # Data: the same corpus on every rank; each rank reads its own windows.
-    corpus = load_corpus(cfg["data"], min_split_bytes=cfg["seq_len"] + 1)
+    try:
+        corpus = load_corpus(cfg["data"], min_split_bytes=cfg["seq_len"] + 1, tokenizer=tokenizer)
+    except DataError as e:  # tokens can be fewer than the bytes the launcher counted
+        raise RunFailure(str(e)) from None
     if corpus.sha256 != cfg["corpus"]["sha256"] and w.is_main:
         print(
             "warning: the data changed since this run started; losses will differ", file=sys.stderr
@@ -367,29 +393,10 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
         n=cfg["eval_batches"] * cfg["batch_size"],
     )
 
-    # Model: the same initial weights on every rank, then each keeps its shards.
-    torch.manual_seed(cfg["seed"])
-    with torch.device(w.device):
-        model = GPT(GPTConfig(**cfg["model_config"]))
-    if cfg["hsdp"] > 1:
-        mesh = init_device_mesh(
-            w.device.type,
-            (cfg["hsdp"], w.world // cfg["hsdp"]),
-            mesh_dim_names=("replicate", "shard"),
-        )
-    else:
-        mesh = init_device_mesh(w.device.type, (w.world,), mesh_dim_names=("shard",))
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cfg["mixed_precision"] == "bf16"
-        else None
-    )
-    shard_model(
-        model, mesh=mesh, mp_policy=mp, activation_checkpointing=cfg["activation_checkpointing"]
-    )
-
-    # AdamW, nanoGPT's recipe: no weight decay on gains and biases.
-    params = list(model.parameters())
+    # AdamW, nanoGPT's recipe: no weight decay on gains and biases. With LoRA
+    # only the adapters train, and only they (and their moments) are saved.
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable_only = bool(cfg["lora"])
     optimizer = torch.optim.AdamW(
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
@@ -403,7 +410,8 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
     step = 0
     if cfg["resume"]:
         # Also puts back each rank's RNG states (torch, CUDA, Python, NumPy).
-        extra = checkpoint.load(cfg["resume"], model, optimizer) or {}
+        extra = checkpoint.load(cfg["resume"], model, optimizer, trainable_only=trainable_only)
+        extra = extra or {}
         step = int(extra.get("step", cfg["resume_step"]))
 
     # Ctrl-C in the first seconds (a mistyped flag): leave before the run
@@ -418,27 +426,22 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
     if w.is_main:
         commit({**cfg, "launch_id": os.environ.get(LAUNCH_ID_ENV)})
 
-    def lr_at(s: int) -> float:
-        """Linear warmup, then cosine decay to a tenth of the peak at the last step."""
-        if s <= cfg["warmup"]:
-            return cfg["lr"] * s / max(1, cfg["warmup"])
-        frac = (s - cfg["warmup"]) / max(1, cfg["steps"] - cfg["warmup"])
-        return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
     def loss_of(x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        logits = model(x.to(w.device, non_blocking=True))
+        logits = forward(x.to(w.device, non_blocking=True))
         return F.cross_entropy(
             logits.float().flatten(0, 1), y.to(w.device).flatten(), reduction=reduction
         )
 
     def evaluate() -> float:
         total = torch.zeros(2, dtype=torch.float64, device=w.device)
+        model.eval()  # no dropout (transformers models may have some)
         with torch.no_grad():
             for chunk in val_offsets.split(sampler.micro):
                 x, y = windows(corpus.val, chunk, seq_len)
                 total += torch.stack(
                     [loss_of(x, y, "sum").double(), torch.tensor(y.numel(), device=w.device)]
                 )
+        model.train()
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 
@@ -453,13 +456,13 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
             "data": {"seed": cfg["seed"], "next_step": at + 1, "corpus_sha256": corpus.sha256},
         }
         try:
-            checkpoint.save(path, model, optimizer, extra=extra)
+            checkpoint.save(path, model, optimizer, extra=extra, trainable_only=trainable_only)
         except BaseException as e:
             if passes_through(e) or peer_lost(e):
                 raise
             # Every rank gets a failed save (DCP shares the outcome): one line.
             # Measured before the half-written folder goes: a full disk shows.
-            why = save_failure(e, out, need=12 * n_params)  # fp32 weights, AdamW's 2 moments
+            why = save_failure(e, out, need=12 * n_trained)  # fp32 weights, AdamW's 2 moments
             if w.is_main:  # of no use, and on a full disk it holds what a resume needs
                 remove_unfinished_saves(out)
             raise RunFailure(
@@ -469,8 +472,8 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
 
     # The loop. One row of metrics per optimizer step; every rank stops at
     # the same step boundary when any of them was asked to (Ctrl-C, SIGTERM).
-    n_params = num_params(model)
-    report = Reporter(cfg, n_params, step) if w.is_main else None
+    n_params, n_trained = num_params(model), sum(p.numel() for p in params)
+    report = Reporter(cfg, n_params, step, trained=n_trained) if w.is_main else None
     tokens_per_step = cfg["batch_size"] * seq_len
     saved_at, stopped, t_start = -1, False, time.perf_counter()
     last_good: Path | None = Path(cfg["resume"]) if cfg["resume"] else None
@@ -484,7 +487,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
             t0 = time.perf_counter()
             with trace() if step == traced_step else contextlib.nullcontext() as timeline:
                 for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step)
+                    group["lr"] = lr_at(cfg, step)
                 loss_sum = torch.zeros((), device=w.device)
                 for k in range(micro_steps):
                     # Reduce gradients once per step, after the last microbatch.
@@ -518,7 +521,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
             row = {
                 "step": step,
                 "loss": loss_val,
-                "lr": lr_at(step),
+                "lr": lr_at(cfg, step),
                 "grad_norm": grad_norm,
                 "tokens_per_s": tokens_per_step / dt,
                 "peak_mem_bytes": _peak_memory(w),
@@ -533,8 +536,10 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
                 report.row(row)
 
         path = save(step) if saved_at != step else out / "checkpoints" / f"step_{step:06d}"
+        # A finished fine-tune also leaves a folder transformers loads.
+        exported = finetune.export_at_end(hf, out, cfg, path) if hf and not stopped else None
         if report:
-            report.finish(step, stopped, stop.signum, path)
+            report.finish(step, stopped, stop.signum, path, exported=exported)
     except BaseException:
         if report:
             report.abort()  # the terminal gets its cursor back; the rows so far stay
@@ -544,6 +549,14 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def lr_at(cfg: dict[str, Any], s: int) -> float:
+    """Linear warmup, then cosine decay to a tenth of the peak at the last step."""
+    if s <= cfg["warmup"]:
+        return cfg["lr"] * s / max(1, cfg["warmup"])
+    frac = (s - cfg["warmup"]) / max(1, cfg["steps"] - cfg["warmup"])
+    return cfg["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def _stopped_early(signum: int, config: dict[str, Any]) -> str:

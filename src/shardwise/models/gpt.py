@@ -164,6 +164,19 @@ def shard_model(
     return model
 
 
+def compile_blocks(blocks: list[nn.Module], device_type: str) -> None:
+    """``torch.compile`` each sharded block's ``forward``: inductor on CUDA, aot_eager on CPU.
+
+    The ``forward``, not the whole call (``block.compile()``): dynamo would
+    trace shardwise's gather and reduce hooks around it, and cannot (a tensor
+    subclass's aliased inputs mutated in the graph). FSDP2 has dynamo skip its
+    hooks (``skip_fsdp_hooks``) to the same effect.
+    """
+    backend = "inductor" if device_type == "cuda" else "aot_eager"
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend)  # type: ignore[method-assign]
+
+
 def num_params(model: nn.Module) -> int:
     """Parameters counted once each (the tied head is not counted twice), sharded or not."""
     return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,117 @@
+"""``shardwise export``: a fine-tuned run (``shardwise train --hf``) as a folder transformers loads.
+
+``--out DIR`` gets the merged model (LoRA folded into the weights) with the
+source folder's config and tokenizer files, which
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads; with ``--adapter-only``,
+the LoRA adapter alone, which ``PeftModel.from_pretrained(base, DIR)`` loads.
+
+One process by default: the checkpoint's shards are stitched into a plain
+model (the frozen base read from the run's ``--hf`` folder). With ``--nproc
+N`` every rank loads only its shards and the export gathers one parameter at
+a time, as at the end of a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .main import (
+    UsageError,
+    add_launch_arguments,
+    in_worker,
+    init_worker,
+    launch,
+    launch_from_args,
+)
+from .run_folder import find_checkpoint
+from .signals import restore_default_signals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardwise export",
+        description="Write a run of `shardwise train --hf` as a folder that "
+        "AutoModelForCausalLM.from_pretrained (or, for an adapter, PeftModel) loads.",
+    )
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="RUN",
+        help="a run folder (its latest checkpoint) or a checkpoint folder",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write; new or empty")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="write the LoRA adapter alone (PEFT format) instead of the merged model",
+    )
+    add_launch_arguments(p, nproc_default="1, this process")
+    p.set_defaults(nproc=1)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if in_worker():
+        restore_default_signals()  # no step boundary to stop at: signals act as usual
+    ckpt, config = find_checkpoint(args.ckpt, "--ckpt")
+    if not config.get("hf"):
+        raise UsageError(
+            f"--ckpt {args.ckpt}: a run of the built-in GPT; export writes runs of "
+            "`shardwise train --hf` (its checkpoints load with shardwise.checkpoint)"
+        )
+    if args.adapter_only and not config.get("lora"):
+        raise UsageError(
+            f"--adapter-only: the run at {args.ckpt} trained every weight, not LoRA adapters"
+        )
+    out = Path(args.out)
+    if not in_worker():
+        _check_out(out, args.out)
+    if in_worker():
+        return _export(args, ckpt, config, distributed=True)
+    where = launch_from_args(args)
+    if where.world == 1:
+        return _export(args, ckpt, config, distributed=False)
+    worker_args = {"ckpt": args.ckpt, "out": args.out, "adapter_only": args.adapter_only}
+    return launch("export", worker_args, where, on_signal=lambda _id, signum: 128 + signum)
+
+
+def _check_out(out: Path, given: str) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {given}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise UsageError(f"--out {given}: the folder already holds files; choose a new one")
+    existing = next(p for p in (out.resolve(), *out.resolve().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {given}: cannot write in {existing}")
+
+
+def _export(args: argparse.Namespace, ckpt: Path, config: dict[str, Any], distributed: bool) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..models.hf import export
+    from .finetune import load_run
+
+    if distributed:
+        w = init_worker()
+        device, is_main = w.device, w.is_main
+        mesh = init_device_mesh(device.type, (w.world,))
+    else:  # host memory holds the whole model anyway: no GPU needed
+        device, is_main, mesh = torch.device("cpu"), True, None
+    hf, _, extra = load_run(config, ckpt, device, mesh)
+    out = Path(args.out)
+    export(hf, out, adapter_only=args.adapter_only)
+    if is_main:
+        what = "PeftModel" if args.adapter_only else "AutoModelForCausalLM"
+        step = extra.get("step", "?")
+        print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
+        print(f"export: {out} (loads with {what}.from_pretrained)", flush=True)
+    if distributed:
+        dist.destroy_process_group()
+    return 0

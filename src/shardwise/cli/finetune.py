@@ -1,0 +1,257 @@
+"""``shardwise train --hf PATH``: the flags, their checks and the model of a fine-tuning run.
+
+``train.py`` runs the loop for both kinds of run; what differs for a
+transformers model from disk lives here: the flags (``--hf``, ``--lora``,
+``--lora-alpha``, ``--lora-targets``, ``--adapter-only``), checking them in
+the launcher without importing transformers (a missing folder, weights or
+extra is one line, exit 2), building the sharded model in a worker (the
+built-in GPT's too, so the loop sees one kind of model), and the export at
+the end of the run. The library side is ``shardwise.models.hf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from .main import UsageError
+
+# Training flags of a fine-tuning run; with --resume, taken from the resumed run.
+DEFAULTS: dict[str, Any] = {
+    "hf": None,
+    "lora": None,
+    "lora_alpha": None,  # 2 x rank
+    "lora_targets": None,  # "all-linear": every linear layer but the output head
+    "adapter_only": None,
+}
+EXPORT = "export"  # the run folder's subfolder the finished run exports to
+DEFAULT_SEQ_LEN = 1024  # capped at the model's own context length
+PEAK_LR = {"full": 2e-5, "lora": 2e-4}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "fine-tuning a transformers model from disk (needs: pip install 'shardwise[hf]')"
+    )
+    g.add_argument(
+        "--hf",
+        metavar="PATH",
+        help="fine-tune the causal LM in PATH, a folder written by save_pretrained "
+        "(config.json, safetensors weights, tokenizer), instead of the built-in GPT",
+    )
+    g.add_argument(
+        "--lora",
+        type=int,
+        metavar="R",
+        help="train LoRA adapters of rank R on the frozen model (needs --hf)",
+    )
+    g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default: 2 x R)")
+    g.add_argument(
+        "--lora-targets",
+        metavar="LIST",
+        help="comma-separated names of the modules LoRA adapts, e.g. q_proj,v_proj "
+        "(default: all-linear, every linear layer but the output head)",
+    )
+    g.add_argument(
+        "--adapter-only",
+        action="store_true",
+        default=None,
+        help="with --lora, export the adapter alone (PEFT format) instead of the merged model",
+    )
+
+
+def resolve(
+    c: dict[str, Any], given: dict[str, Any], resumed: dict[str, Any], resume_arg: str | None
+) -> dict[str, Any] | None:
+    """Check and complete the fine-tuning settings in ``c``; the model's config.json, if any.
+
+    Returns None for a run of the built-in GPT. Raises ``UsageError``.
+    """
+    from ..models.hf import HFError, check_folder, context_length, require_extra
+
+    lora_flags = [k for k in ("lora", "lora_alpha", "lora_targets", "adapter_only") if k in given]
+    if c["hf"] is None:
+        if lora_flags:
+            raise UsageError(
+                f"--{lora_flags[0].replace('_', '-')} needs --hf PATH: LoRA fine-tunes a "
+                "transformers model, not the built-in GPT"
+            )
+        return None
+    if "model" in given and not resumed:
+        raise UsageError("--model picks a built-in GPT and --hf a model folder: give only one")
+    try:
+        require_extra()
+        config = check_folder(c["hf"])
+    except HFError as e:
+        raise UsageError(str(e)) from None
+    path = str(Path(c["hf"]).resolve())
+    if resumed:
+        if resumed.get("hf") != path:
+            raise UsageError(
+                f"--resume {resume_arg}: the checkpoint is of model {resumed.get('model')!r}"
+                f"{' from ' + resumed['hf'] if resumed.get('hf') else ''}, not of --hf {c['hf']}"
+            )
+        for k in lora_flags:
+            if given[k] != resumed.get(k) and k != "adapter_only":
+                flag = f"--{k.replace('_', '-')}"
+                raise UsageError(
+                    f"--resume {resume_arg}: the checkpoint was trained with {flag} "
+                    f"{resumed.get(k)}; {flag} {given[k]} does not match it"
+                )
+        if resumed.get("model_config") != config:
+            raise UsageError(
+                f"--resume {resume_arg}: {path}/config.json changed since the run started; "
+                "the checkpoint is of the model it described then"
+            )
+    c["hf"] = path
+    if c["lora"] is None:
+        extra = [k for k in lora_flags if k != "lora"]
+        if extra:
+            raise UsageError(f"--{extra[0].replace('_', '-')} needs --lora R")
+    else:
+        if c["lora"] < 1:
+            raise UsageError(f"--lora must be at least 1, got {c['lora']}")
+        if c["lora_alpha"] is None:
+            c["lora_alpha"] = 2.0 * c["lora"]
+        if not c["lora_alpha"] > 0:
+            raise UsageError(f"--lora-alpha must be positive, got {c['lora_alpha']}")
+        targets = c["lora_targets"] or "all-linear"
+        names = [t.strip() for t in targets.split(",") if t.strip()]
+        if not names:
+            raise UsageError(f"--lora-targets {targets!r} names no module")
+        c["lora_targets"] = ",".join(names)
+    c["adapter_only"] = bool(c["adapter_only"])
+    c["model"] = str(config["model_type"])
+    context = context_length(config)
+    if c["seq_len"] is None:
+        c["seq_len"] = min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN)
+    elif context is not None and c["seq_len"] > context:
+        raise UsageError(
+            f"--seq-len {c['seq_len']} is longer than the model's context ({context} tokens)"
+        )
+    if c["lr"] is None:
+        c["lr"] = PEAK_LR["lora" if c["lora"] else "full"]
+    return config
+
+
+def lora_spec(cfg: dict[str, Any]) -> Any:
+    from ..models.hf import LoraSpec
+
+    if not cfg.get("lora"):
+        return None
+    targets = cfg["lora_targets"]
+    return LoraSpec(
+        cfg["lora"],
+        cfg["lora_alpha"],
+        "all-linear" if targets == "all-linear" else targets.split(","),
+    )
+
+
+def build_model(cfg: dict[str, Any], device: Any, world: int) -> tuple[Any, Any, Any, Any]:
+    """Any run's sharded model: (model, its token ids -> logits, the HFModel, the tokenizer).
+
+    The last two are None for the built-in GPT. Call on every rank.
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..models.gpt import GPT, GPTConfig, compile_blocks, shard_model
+    from ..models.hf import logits
+    from ..precision import MixedPrecisionPolicy
+
+    if cfg["hsdp"] > 1:
+        mesh = init_device_mesh(
+            device.type, (cfg["hsdp"], world // cfg["hsdp"]), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg["mixed_precision"] == "bf16"
+        else None
+    )
+    if cfg["hf"]:
+        # Built on meta, sharded, then each rank reads only its rows from disk.
+        hf, tokenizer = build(cfg, device, mesh, mp)
+        return hf.model, partial(logits, hf.model), hf, tokenizer
+    with torch.device(device):
+        model = GPT(GPTConfig(**cfg["model_config"]))
+    shard_model(
+        model, mesh=mesh, mp_policy=mp, activation_checkpointing=cfg["activation_checkpointing"]
+    )
+    if cfg["compile"]:
+        compile_blocks(list(model.blocks), device.type)
+    return model, model, None, None
+
+
+def build(cfg: dict[str, Any], device: Any, mesh: Any, mp_policy: Any) -> tuple[Any, Any]:
+    """The sharded model of a fine-tuning run, loaded shard by shard, and its tokenizer."""
+    from ..models import hf
+    from ..models.gpt import compile_blocks
+
+    hf.quiet_transformers()
+    tokenizer = hf.load_tokenizer(cfg["hf"])
+    model = hf.build_meta(
+        cfg["hf"], lora=lora_spec(cfg), checkpointing=cfg["activation_checkpointing"]
+    )
+    hf.shard(model, mesh=mesh, mp_policy=mp_policy)
+    hf.materialize(model, device, seed=cfg["seed"])
+    if cfg.get("compile"):
+        compile_blocks(model.layers, device.type)
+    model.model.train()
+    return model, tokenizer
+
+
+def load_run(
+    cfg: dict[str, Any], ckpt: Path, device: Any, mesh: Any = None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """A fine-tuning run's model at checkpoint ``ckpt``: sharded on ``mesh``, or plain without.
+
+    The frozen base comes from the run's ``--hf`` folder, the trained weights
+    from the checkpoint. Returns the model, its tokenizer and the checkpoint's extra.
+    """
+    import warnings
+
+    from .. import checkpoint
+    from ..models import hf
+
+    try:
+        hf.require_extra("this run")
+        hf.check_folder(cfg["hf"], flag="the run's --hf")
+    except hf.HFError as e:
+        raise UsageError(str(e)) from None
+    hf.quiet_transformers()
+    tokenizer = hf.load_tokenizer(cfg["hf"])
+    model = hf.build_meta(cfg["hf"], lora=lora_spec(cfg))
+    if mesh is not None:
+        hf.shard(model, mesh=mesh)
+    hf.materialize(model, device, seed=cfg["seed"])
+    with warnings.catch_warnings():
+        # DCP warns that it loads "in a single process" when that is what we asked for.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        extra = checkpoint.load(
+            ckpt, model.model, trainable_only=bool(cfg.get("lora")), restore_rng=False
+        )
+    model.model.eval()
+    return model, tokenizer, extra or {}
+
+
+def export_at_end(hf: Any, out: Path, cfg: dict[str, Any], ckpt: Path) -> Path:
+    """Export a finished run into ``out/export`` (every rank); a failure keeps the checkpoint."""
+    from ..models.hf import export
+    from .failures import RunFailure, first_line, passes_through, peer_lost
+
+    exported = out / EXPORT
+    try:
+        export(hf, exported, adapter_only=cfg["adapter_only"])
+    except BaseException as e:
+        if passes_through(e) or peer_lost(e):
+            raise
+        raise RunFailure(
+            f"exporting {exported} failed: {first_line(e)}; the checkpoint "
+            f"{ckpt.relative_to(out)} is kept (export it with: shardwise export "
+            f"--ckpt {out} --out DIR)"
+        ) from e
+    return exported
