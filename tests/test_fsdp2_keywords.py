@@ -273,7 +273,26 @@ def offload_worker(rank: int, world: int, device: str = "cpu") -> None:
         torch.testing.assert_close(p.full_tensor().to(device), q, atol=1e-5, rtol=1e-5, msg=name)
 
 
+# ---- compiled blocks -------------------------------------------------------------------------
+
+
+def check_compiled_blocks(rank: int, world: int) -> None:
+    """``block.compile()`` after ``fully_shard``, per block as torchtitan does: our hooks
+    stay eager around the compiled forward, and the steps are one process's."""
+    torch.manual_seed(0)
+    ref = Net(ac="non-reentrant")
+    model = copy.deepcopy(ref)
+    shard_net(model, {})
+    for stage in model.stages:
+        stage.a.compile(backend="aot_eager")
+        stage.b.compile(backend="aot_eager")
+    opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
+    for idx in batches(2):
+        step_and_compare(model, opt, ref, ref_opt, idx)
+
+
 CHECKS: dict[str, Callable[[int, int], None]] = {
+    "compiled blocks": check_compiled_blocks,
     "offload_policy": offload_worker,
     "list of modules": check_list_of_modules,
     "list of modules: state dict": check_list_state_dict,
@@ -281,7 +300,13 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "reshard_after_forward=int": check_reshard_to_smaller_group,
     "reshard_after_forward=int: 1 and world": check_reshard_int_edges,
 }
-W2 = {"list of modules", "list of modules: state dict", "shard_placement_fn", "offload_policy"}
+W2 = {
+    "list of modules",
+    "list of modules: state dict",
+    "shard_placement_fn",
+    "offload_policy",
+    "compiled blocks",
+}
 # An int needs a group size strictly between 1 and the world: 4 ranks.
 W4 = {"shard_placement_fn", "reshard_after_forward=int", "reshard_after_forward=int: 1 and world"}
 

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .fsdp_module import FSDPModule
-from .module import ModuleState
+from .module import ModuleState, outside_compile
 from .offload import OffloadPolicy, check_offload_policy
 from .param_group import ParamGroup
 from .precision import MixedPrecisionPolicy
@@ -153,8 +153,10 @@ def fully_shard(
         _taken[id(p)] = weakref.ref(p)
     for m in modules:
         m._shardwise_state = state  # type: ignore[assignment]
-        m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-        m.register_forward_hook(state.post_forward)
+        m.register_forward_pre_hook(
+            outside_compile(state.pre_forward), prepend=True, with_kwargs=True
+        )
+        m.register_forward_hook(outside_compile(state.post_forward))
         # State dicts always see the sharded DTensors, also while a module is kept
         # gathered (reshard_after_forward/backward=False): reshard first.
         m.register_state_dict_pre_hook(lambda m, prefix, keep_vars: state.reshard_now())

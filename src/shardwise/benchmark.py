@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         "aot_eager on CPU); a comma list of off, on runs both (default: off)",
     )
     p.add_argument(
+        "--offload",
+        action="store_true",
+        help="CPU offload (CPUOffloadPolicy) in fsdp2 and shardwise: shards, gradients and "
+        "AdamW in host memory",
+    )
+    p.add_argument(
         "--batch-size", type=int, default=None, help="per rank (default: 4 on a GPU, 8 on CPU)"
     )
     p.add_argument(
@@ -164,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                             device,
                             compiled,
                             spec,
+                            args.offload,
                         )
                         for c in configs
                     ]
@@ -221,6 +228,7 @@ def _run_group(jobs: list[Job], rounds: int) -> list[dict[str, Any]]:
             "ac": job.ac,
             "mp": job.mp,
             "compiled": job.compile,
+            "offload": job.offload,
             "batch_size": job.batch_size,
             "seq_len": job.seq_len,
             "device": job.device,

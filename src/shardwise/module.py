@@ -21,6 +21,7 @@ docs/design.md draws this as a state machine.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -357,6 +358,25 @@ class _AfterInputGrads(torch.autograd.Function):
         outs = _AfterInputGrads.apply(state, *needs.values())
         by_id = dict(zip(needs, outs if isinstance(outs, tuple) else (outs,)))
         return map_tensors(lambda t: by_id.get(id(t), t), (args, kwargs))
+
+
+def outside_compile(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run eagerly even inside a compiled region (``block.compile()``).
+
+    Dynamo would otherwise trace our hooks into the block's graph, and they
+    swap parameters and mutate storage it cannot capture. Traced, the check
+    below is constant True and dynamo meets a disabled call: it breaks the
+    graph there and runs the hook as plain Python (what FSDP2 does for its own
+    hooks). Not compiling, it costs one call, and dynamo is never imported.
+    """
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(hook, recursive=True)(*args, **kwargs)
+        return hook(*args, **kwargs)
+
+    return run
 
 
 def _autograd_running() -> bool:

@@ -155,18 +155,15 @@ def logits(model: torch.nn.Module, spec: ModelSpec, idx: torch.Tensor) -> torch.
 
 
 def compile_blocks(blocks: list[torch.nn.Module], device: torch.device) -> None:
-    """Compile each block's ``forward``; its (FSDP) hooks stay eager.
+    """``block.compile()`` after sharding, per block, as torchtitan does.
 
-    Why not ``block.compile()``: that compiles ``_call_impl``, hooks included.
-    Dynamo skips FSDP2's hooks (``skip_fsdp_hooks``), so for FSDP2 the
-    compiled region is the forward either way; shardwise's hooks are not
-    skipped and fail to trace (in-place storage changes of DTensor
-    parameters). Compiling the forward gives every configuration the same
-    compiled region, blocks of the same shape sharing one graph.
+    The sharding hooks stay eager in every configuration: dynamo skips
+    FSDP2's, and shardwise's break the graph on purpose (module.py,
+    ``outside_compile``); the compiled region is each block's forward.
     """
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend)  # type: ignore[method-assign]
+        block.compile(backend=backend)
 
 
 def flops_per_token(n_params: int, spec: ModelSpec) -> float:

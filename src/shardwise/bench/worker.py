@@ -39,6 +39,7 @@ class Job:
     device: str
     compile: bool = False
     spec: ModelSpec | None = None  # resolved by the parent; None: a GPT size
+    offload: bool = False  # CPU offload (FSDP2's and shardwise's CPUOffloadPolicy)
 
 
 def _free_port() -> int:
@@ -58,10 +59,11 @@ def _spec(job: Job) -> ModelSpec:
 def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
     """The model under one configuration, and its AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from .. import MixedPrecisionPolicy, fully_shard
+    from .. import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     device = torch.device(job.device)
     model, blocks = build(_spec(job), device, job.ac)
@@ -72,17 +74,23 @@ def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
         kw: dict[str, Any] = {"mesh": mesh}
         if bf16:
             kw["mp_policy"] = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if job.offload:
+            kw["offload_policy"] = TorchOffload()
         for block in blocks:
             torch_fully_shard(block, **kw)
         torch_fully_shard(model, **kw)
     elif job.config == "shardwise":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw = {"mesh": mesh, "mp_policy": policy if bf16 else None}
+        if job.offload:
+            kw["offload_policy"] = CPUOffloadPolicy()
         for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy if bf16 else None)
-        fully_shard(model, mesh=mesh, mp_policy=policy if bf16 else None)
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
     if job.compile:
         compile_blocks(blocks, device)
-    # The fused AdamW on CUDA for every configuration: the fastest each can use.
+    # The fused AdamW on CUDA for every configuration: the fastest each can use
+    # (offloaded, it steps on CPU, where torch has a fused AdamW too).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     return model, opt
 
