@@ -253,7 +253,8 @@ def _shard_dims(
         if not isinstance(placement, Shard):
             raise ValueError(
                 f"shard_placement_fn returned {placement!r} for {fqn!r}; return Shard(dim) "
-                "or None (Shard(0))"
+                "or None (Shard(0)); shardwise shards every parameter of one fully_shard call "
+                "over its mesh (no per-parameter mesh)"
             )
         dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < p.dim():

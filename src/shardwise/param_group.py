@@ -646,11 +646,15 @@ class ReduceJob:
             self._rs_in = None
         else:
             self._rs_in = torch.empty(g.world, numel, dtype=g.reduce_dtype, device=device)
-            # The copy-in overlaps the backward compute queued next; the gradients
-            # it reads are held until finish() has waited for the reduction.
-            self._grads: list[torch.Tensor] | None = filled
+            # The copy-in overlaps the backward compute queued next. The gradients
+            # it reads may be freed as soon as it has run, not when the reduction
+            # is waited for: record_stream tells the allocator so.
             with collectives.side_stream("reduce", device):
                 torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
+                if device.type == "cuda":
+                    stream = torch.cuda.current_stream(device)
+                    for t in filled:
+                        t.record_stream(stream)
                 self._pending = collectives.reduce_scatter(
                     self.out,
                     self._rs_in.view(-1),
@@ -666,7 +670,7 @@ class ReduceJob:
         g = self.group
         if self._pending is not None:
             self._pending.wait()
-            self._pending = self._rs_in = self._grads = None
+            self._pending = self._rs_in = None
         if not self.shards:
             out = self.out
             if g.replicate_group is not None:
