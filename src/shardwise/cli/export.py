@@ -95,7 +95,7 @@ def _export(args: argparse.Namespace, ckpt: Path, config: dict[str, Any], distri
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..models.hf import export
+    from ..models.hf_export import export
     from .finetune import load_run
 
     if distributed:

@@ -190,14 +190,23 @@ def build(cfg: dict[str, Any], device: Any, mesh: Any, mp_policy: Any) -> tuple[
     """The sharded model of a fine-tuning run, loaded shard by shard, and its tokenizer."""
     from ..models import hf
     from ..models.gpt import compile_blocks
+    from .failures import RunFailure, first_line, passes_through, peer_lost
 
-    hf.quiet_transformers()
-    tokenizer = hf.load_tokenizer(cfg["hf"])
-    model = hf.build_meta(
-        cfg["hf"], lora=lora_spec(cfg), checkpointing=cfg["activation_checkpointing"]
-    )
-    hf.shard(model, mesh=mesh, mp_policy=mp_policy)
-    hf.materialize(model, device, seed=cfg["seed"])
+    try:
+        hf.quiet_transformers()
+        tokenizer = hf.load_tokenizer(cfg["hf"])
+        model = hf.build_meta(
+            cfg["hf"], lora=lora_spec(cfg), checkpointing=cfg["activation_checkpointing"]
+        )
+        hf.shard(model, mesh=mesh, mp_policy=mp_policy)
+        hf.materialize(model, device, seed=cfg["seed"])
+    except BaseException as e:
+        if passes_through(e) or peer_lost(e):
+            raise
+        # The same folder fails alike on every rank (an architecture transformers
+        # does not know, weights saved under other names): rank 0 says it once.
+        message = str(e) if isinstance(e, hf.HFError) else f"--hf {cfg['hf']}: {first_line(e)}"
+        raise RunFailure(message) from e
     if cfg.get("compile"):
         compile_blocks(model.layers, device.type)
     model.model.train()
@@ -240,7 +249,7 @@ def load_run(
 
 def export_at_end(hf: Any, out: Path, cfg: dict[str, Any], ckpt: Path) -> Path:
     """Export a finished run into ``out/export`` (every rank); a failure keeps the checkpoint."""
-    from ..models.hf import export
+    from ..models.hf_export import export
     from .failures import RunFailure, first_line, passes_through, peer_lost
 
     exported = out / EXPORT

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile each sharded block's forward: inductor on CUDA, aot_eager on "
+        help="compile each sharded block (block.compile()): inductor on CUDA, aot_eager on "
         "CPU (default: off)",
     )
     finetune.add_arguments(p)

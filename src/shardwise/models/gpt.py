@@ -165,16 +165,15 @@ def shard_model(
 
 
 def compile_blocks(blocks: list[nn.Module], device_type: str) -> None:
-    """``torch.compile`` each sharded block's ``forward``: inductor on CUDA, aot_eager on CPU.
+    """``block.compile()`` each sharded block, as torchtitan does: inductor on CUDA, aot_eager on CPU.
 
-    The ``forward``, not the whole call (``block.compile()``): dynamo would
-    trace shardwise's gather and reduce hooks around it, and cannot (a tensor
-    subclass's aliased inputs mutated in the graph). FSDP2 has dynamo skip its
-    hooks (``skip_fsdp_hooks``) to the same effect.
+    After ``fully_shard``: shardwise's hooks run outside dynamo (a graph break
+    around each, as FSDP2's), so the compiled region is the block's forward.
+    aot_eager on CPU, where inductor would need a C++ compiler.
     """
     backend = "inductor" if device_type == "cuda" else "aot_eager"
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend)  # type: ignore[method-assign]
+        block.compile(backend=backend)
 
 
 def num_params(model: nn.Module) -> int:
