@@ -5,9 +5,10 @@ Qwen2 with the head tied to the embedding) and a small BPE tokenizer trained
 here, offline, are saved with ``save_pretrained`` into a temporary folder.
 Each is fine-tuned once through the command line, as a person runs it (full
 fine-tune with non-reentrant checkpointing and ``--compile``; LoRA with
-reentrant checkpointing); several tests read each run. What does not need
-workers (bad input, ``export``, ``sample``, single-process references) runs
-in this process: every worker pays seconds to import transformers.
+reentrant checkpointing and ``--adapter-only``); several tests read each
+run. What does not need workers (bad input, ``export``, ``sample``,
+single-process references) runs in this process: every worker pays seconds
+to import transformers.
 """
 
 from __future__ import annotations
@@ -135,13 +136,24 @@ def full_run(folders: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def lora_run(folders: dict[str, Path]) -> Path:
+    """Its end-of-run export is the adapter alone, gathered from 2 ranks."""
     return train(
         folders,
         "lora",
         *("--hf", str(folders["qwen2"]), *RUN, "--lr", "5e-2"),
-        *("--activation-checkpointing", "reentrant"),
+        *("--activation-checkpointing", "reentrant", "--adapter-only"),
         *("--lora", "4", "--lora-alpha", "8", "--lora-targets", ",".join(TARGETS)),
     )
+
+
+@pytest.fixture(scope="module")
+def lora_merged(lora_run: Path, folders: dict[str, Path]) -> Path:
+    """``shardwise export`` of the LoRA run, merged, by one process (this one)."""
+    from shardwise.cli.main import main
+
+    out = folders["root"] / "lora_merged"
+    assert main(["export", "--ckpt", str(lora_run), "--out", str(out)]) == 0
+    return out
 
 
 def checkpoint_tensors(ckpt: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -295,10 +307,10 @@ def test_lora_learns_and_saves_only_adapters(lora_run: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(120)
-def test_lora_export_is_base_plus_adapters(lora_run: Path, folders, tmp_path: Path) -> None:
+def test_lora_export_is_base_plus_adapters(lora_merged: Path, lora_run, folders, tmp_path) -> None:
     """Merged export = untouched base + scaling * B @ A for the targets; the base never moved."""
     base = from_pretrained(folders["qwen2"]).state_dict()
-    merged = from_pretrained(lora_run / "export").state_dict()
+    merged = from_pretrained(lora_merged).state_dict()
     saved = checkpoint_tensors(lora_run / "checkpoints" / f"step_{STEPS:06d}", tmp_path)
     assert set(merged) == set(base)
     merged_targets = 0
@@ -306,10 +318,8 @@ def test_lora_export_is_base_plus_adapters(lora_run: Path, folders, tmp_path: Pa
         module = key.removesuffix(".weight")
         if key.endswith(".weight") and module.rsplit(".", 1)[-1] in TARGETS:
             prefix = f"model.base_model.model.{module}"
-            a, b = (
-                saved[f"{prefix}.lora_A.default.weight"],
-                saved[f"{prefix}.lora_B.default.weight"],
-            )
+            a = saved[f"{prefix}.lora_A.default.weight"]
+            b = saved[f"{prefix}.lora_B.default.weight"]
             torch.testing.assert_close(merged[key], w0 + (8 / 4) * b @ a, rtol=1e-6, atol=1e-6)
             assert not torch.equal(merged[key], w0), f"{key}: the adapter did not train"
             merged_targets += 1
@@ -319,24 +329,23 @@ def test_lora_export_is_base_plus_adapters(lora_run: Path, folders, tmp_path: Pa
 
 
 @pytest.mark.timeout(120)
-def test_export_adapter_only_loads_in_peft(lora_run: Path, folders, tmp_path, capsys) -> None:
+def test_adapter_export_loads_in_peft(lora_run: Path, lora_merged: Path, folders, capsys) -> None:
+    """The run's own export (--adapter-only, 2 ranks): PEFT's adapter = the merged model."""
     from peft import PeftModel
 
-    out = tmp_path / "adapter"
-    code, stdout, err = cli(
-        ["export", "--ckpt", str(lora_run), "--out", str(out), "--adapter-only"], capsys
-    )
-    assert code == 0, err
-    assert "PeftModel.from_pretrained" in stdout
-    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
-    peft_model = PeftModel.from_pretrained(from_pretrained(folders["qwen2"]), out).eval()
-    merged = from_pretrained(lora_run / "export").eval()
+    adapter = lora_run / "export"
+    assert {p.name for p in adapter.iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    peft_model = PeftModel.from_pretrained(from_pretrained(folders["qwen2"]), adapter).eval()
+    merged = from_pretrained(lora_merged).eval()
     ids = torch.arange(40).reshape(2, 20) * 7 % 320
     with torch.no_grad():
         torch.testing.assert_close(
             peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5
         )
-    code, _, err = cli(["export", "--ckpt", str(lora_run), "--out", str(out)], capsys)
+    code, _, err = cli(["export", "--ckpt", str(lora_run), "--out", str(lora_merged)], capsys)
     assert code == 2 and "already holds files" in err and len(err.strip().splitlines()) == 1
 
 

@@ -179,17 +179,18 @@ def _cap(chunks: list[bytes], n: int) -> list[bytes]:
 
 
 def _tokens(docs: list[bytes], tokenizer: Any, batch: int = 64) -> torch.Tensor:
-    """Each document tokenized on its own, then packed, with EOS after each (int32 ids)."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError("the model's tokenizer has no EOS token to put between documents")
+    """Each document tokenized on its own, then packed, with EOS after each (int32 ids).
+
+    A tokenizer without an EOS token packs the documents back to back.
+    """
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     parts = []
     for i in range(0, len(docs), batch):
         texts = [d.decode("utf-8", errors="replace") for d in docs[i : i + batch]]
         # verbose=False: documents longer than the model's context are expected here
         ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         for doc in ids:
-            parts.append(torch.tensor([*doc, eos], dtype=torch.int32))
+            parts.append(torch.tensor([*doc, *eos], dtype=torch.int32))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
 

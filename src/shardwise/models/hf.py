@@ -154,9 +154,16 @@ def quiet_transformers() -> None:
 
 
 def load_tokenizer(folder: str | os.PathLike[str]) -> Any:
+    """The folder's tokenizer; its EOS token taken from config.json if it names none itself."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        eos = json.loads((Path(folder) / "config.json").read_text()).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int) and 0 <= eos < len(tokenizer):
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    return tokenizer
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
