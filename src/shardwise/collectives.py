@@ -104,7 +104,10 @@ def all_gather(
     called as FSDP2 calls it: ``comm(output_tensor=..., input_tensor=...,
     group=..., async_op=True)``, returning a work handle or None.
     """
-    if comm is None:
+    if comm is None and _on_side_stream():
+        _all_gather(output, input, group=group, async_op=False)
+        work: Any = _StreamWork()
+    elif comm is None:
         work = _all_gather(output, input, group=group, async_op=True)
     else:
         work = comm(output_tensor=output, input_tensor=input, group=group, async_op=True)
@@ -130,7 +133,10 @@ def reduce_scatter(
     as ``comm(output_tensor=..., input_tensor=..., group=..., op=SUM, async_op=True)``.
     """
     n = dist.get_world_size(group)
-    if comm is None:
+    if comm is None and _on_side_stream():
+        _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=False)
+        work: Any = _StreamWork()
+    elif comm is None:
         work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
     else:
         work = comm(
@@ -159,6 +165,23 @@ def all_reduce(
 
 
 _streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+_side_depth = 0  # > 0 while issuing inside side_stream() on a GPU
+
+
+def _on_side_stream() -> bool:
+    return _side_depth > 0
+
+
+class _StreamWork:
+    """A collective run in order on a side stream (``async_op=False`` there: since
+    torch 2.8 NCCL then runs on the current stream and stashes nothing):
+    waiting for it is the waiting stream's wait on an event recorded after it."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.current_stream().record_event()
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
 
 
 @contextlib.contextmanager
@@ -181,6 +204,11 @@ def side_stream(kind: str, device: torch.device | None) -> Iterator[None]:
     stream = _streams.get(key)
     if stream is None:
         stream = _streams[key] = torch.cuda.Stream(device)
+    global _side_depth
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        yield
+        _side_depth += 1
+        try:
+            yield
+        finally:
+            _side_depth -= 1
