@@ -369,6 +369,9 @@ def bad_input_worker(rank: int, world: int) -> dict[str, str]:
     expect("list-twice", ValueError, lambda: fully_shard([one, one]))
     expect("list-empty", ValueError, lambda: fully_shard([]))
     expect("list-type", TypeError, lambda: fully_shard([one, "layer"]))
+    outer = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    expect("list-nested", ValueError, lambda: fully_shard([outer, outer[0]]))
+    assert not isinstance(outer, FSDPModule) and not isinstance(outer[0].weight, DTensor)
     expect(
         "placement-type",
         ValueError,
@@ -412,6 +415,7 @@ def test_bad_input_gets_one_clear_error_and_changes_nothing() -> None:
     assert "reshard_after_forward=3" in msgs["raf-int"] and "divide" in msgs["raf-int"]
     assert "same module twice" in msgs["list-twice"]
     assert "empty list" in msgs["list-empty"]
+    assert "Sequential and Linear inside it" in msgs["list-nested"]
     assert "nn.Module" in msgs["list-type"] and "str" in msgs["list-type"]
     assert "Replicate()" in msgs["placement-type"] and "Shard(dim)" in msgs["placement-type"]
     assert "Shard(2)" in msgs["placement-dim"] and "(3, 3)" in msgs["placement-dim"]

@@ -23,7 +23,14 @@ import shardwise
 from dist_utils import run_distributed
 from models import Net, batches, loss_fn
 from shardwise import collectives, fully_shard
-from test_core import assert_between_steps, make_opt, shard_net, step_and_compare
+from test_core import (
+    assert_between_steps,
+    global_mean,
+    make_opt,
+    reference_step,
+    shard_net,
+    step_and_compare,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,6 +39,12 @@ def records(kind: str) -> tuple[list[collectives.CollectiveRecord], Callable[[],
     seen: list[collectives.CollectiveRecord] = []
     remove = collectives.add_observer(lambda rec, _: seen.append(rec) if rec.kind == kind else None)
     return seen, remove
+
+
+def matches_reference(loss: torch.Tensor, ref: nn.Module, ref_opt, idx: torch.Tensor) -> None:
+    """The sharded step's loss (over all ranks) is the one-process step's on the whole batch."""
+    want = reference_step(ref, ref_opt, idx)
+    torch.testing.assert_close(global_mean(loss), want, atol=1e-5, rtol=1e-5)
 
 
 def pairs_net(ac: str) -> tuple[Net, Net]:
@@ -80,6 +93,45 @@ def check_list_of_modules(rank: int, world: int) -> None:
             remove_r()
 
 
+class TwoPaths(nn.Module):
+    """An encoder and a decoder sharded as one group; a step may skip the decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.dec = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        for name in path:  # "ed": encoder then decoder; "e": encoder only; "ede": again
+            x = torch.tanh((self.enc if name == "e" else self.dec)(x))
+        return self.head(x).square().mean()
+
+
+def check_list_partial_runs(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = TwoPaths()
+    model = copy.deepcopy(ref)
+    fully_shard([model.enc, model.dec])
+    fully_shard(model)
+    opt, ref_opt = make_opt("sgd", model.parameters()), make_opt("sgd", ref.parameters())
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+    for path in ("ed", "e", "ede", "ed"):
+        loss = model(x.chunk(world)[rank], path)
+        loss.backward()
+        assert_between_steps(model)
+        assert (model.dec.weight.grad is None) == ("d" not in path)
+        opt.step()
+        opt.zero_grad()
+        want = ref(x, path)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(global_mean(loss), want.detach(), atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def check_list_state_dict(rank: int, world: int) -> None:
     ref, model = pairs_net("none")
     shardwise.share_comm_ctx([model, model.stages[0].a])  # nothing to share: accepted
@@ -122,13 +174,7 @@ def check_shard_placement_fn(rank: int, world: int) -> None:
         assert w.grad is not None and w.grad.placements == (Shard(1),)
         opt.step()
         opt.zero_grad()
-        want = loss_fn(ref, idx)
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        got = loss.detach().clone()
-        dist.all_reduce(got)
-        torch.testing.assert_close(got / world, want.detach(), atol=1e-5, rtol=1e-5)
+        matches_reference(loss, ref, ref_opt, idx)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
 
@@ -169,7 +215,12 @@ def check_reshard_to_smaller_group(rank: int, world: int) -> None:
         torch.manual_seed(0)
         ref = Net(ac=ac)
         model = copy.deepcopy(ref)
-        shard_net(model, {"raf": 2})
+        for stage in model.stages:
+            fully_shard(stage.a, reshard_after_forward=2)
+            fully_shard(stage.b, reshard_after_forward=2)
+        fully_shard(model.extra, reshard_after_forward=2)
+        # The root too: its 5-row embedding pads unevenly over 4 ranks.
+        fully_shard(model, reshard_after_forward=2)
         group = model.stages[1].a._shardwise_state.group
         opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
         gathers, remove = records("all_gather")
@@ -187,25 +238,28 @@ def check_reshard_to_smaller_group(rank: int, world: int) -> None:
                 assert_between_steps(model)  # the kept parts are freed too
                 opt.step()
                 opt.zero_grad()
-                want = loss_fn(ref, idx)
-                want.backward()
-                ref_opt.step()
-                ref_opt.zero_grad()
-                got = loss.detach().clone()
-                dist.all_reduce(got)
-                torch.testing.assert_close(got / world, want.detach(), atol=1e-5, rtol=1e-5)
-                blocks = {"stages.0.a", "stages.0.b", "stages.1.a", "stages.1.b", "extra"}
+                matches_reference(loss, ref, ref_opt, idx)
+                blocks = {"stages.0.a", "stages.0.b", "stages.1.a", "stages.1.b", "extra", "Net"}
                 assert {n for n, size in in_forward if size == world} >= blocks, in_forward
-                # Backward gathers the blocks over 2 ranks only (the root was kept).
+                # Backward gathers every module over 2 ranks only.
                 assert {n for n, size in in_backward if n in blocks} == blocks, in_backward
                 assert all(size == 2 for n, size in in_backward if n in blocks), in_backward
         finally:
             remove()
-        # set_reshard_after_forward(True) replaces the int, as FSDP2's does.
+        # set_reshard_after_forward(True) replaces the int, as FSDP2's does, even
+        # between a forward and its backward.
+        idx = batches(4)[3]
+        loss = loss_fn(model, idx.chunk(world)[rank])
         model.set_reshard_after_forward(True)
-        loss = loss_fn(model, batches(1)[0].chunk(world)[rank])
         assert group.unsharded_bytes == 0
+        gathers, remove = records("all_gather")
         loss.backward()
+        remove()
+        assert {r.group_size for r in gathers} == {world}, gathers
+        assert_between_steps(model)
+        opt.step()
+        opt.zero_grad()
+        matches_reference(loss, ref, ref_opt, idx)
 
 
 def check_reshard_int_edges(rank: int, world: int) -> None:
@@ -261,13 +315,7 @@ def offload_worker(rank: int, world: int, device: str = "cpu") -> None:
             assert p.grad is not None and p.grad.to_local().device.type == "cpu", name
         opt.step()
         opt.zero_grad()
-        want = loss_fn(ref, idx)
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        got = loss.detach().clone()
-        dist.all_reduce(got)
-        torch.testing.assert_close(got / world, want.detach(), atol=1e-5, rtol=1e-5)
+        matches_reference(loss, ref, ref_opt, idx)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.to_local().device.type == "cpu", name
         torch.testing.assert_close(p.full_tensor().to(device), q, atol=1e-5, rtol=1e-5, msg=name)
@@ -296,6 +344,7 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "offload_policy": offload_worker,
     "list of modules": check_list_of_modules,
     "list of modules: state dict": check_list_state_dict,
+    "list of modules: partial and repeated runs": check_list_partial_runs,
     "shard_placement_fn": check_shard_placement_fn,
     "reshard_after_forward=int": check_reshard_to_smaller_group,
     "reshard_after_forward=int: 1 and world": check_reshard_int_edges,
@@ -303,6 +352,7 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
 W2 = {
     "list of modules",
     "list of modules: state dict",
+    "list of modules: partial and repeated runs",
     "shard_placement_fn",
     "offload_policy",
     "compiled blocks",

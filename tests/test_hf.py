@@ -387,6 +387,10 @@ def _no_weights(folders: dict[str, Path]) -> str:
         (["--hf", "{llama}", "--model", "tiny"], "give only one"),
         (["--hf", "{llama}", "--seq-len", "65"], "longer than the model's context (64 tokens)"),
         (["--hf", "{llama}", "--lora", "0"], "--lora must be at least 1"),
+        (
+            ["--hf", "{qwen2}", "--lora", "4", "--lora-targets", "q_proj, lm_head"],
+            "--lora-targets lm_head: this model ties its output head",
+        ),
     ],
 )
 def test_bad_input(args: list[str], message: str, folders, tmp_path: Path, capsys) -> None:
@@ -405,4 +409,19 @@ def test_missing_extra_says_how_to_install(folders, tmp_path, capsys, monkeypatc
     code, _, err = cli(args, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "peft is not installed" in err and "pip install 'shardwise[hf]'" in err
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.timeout(60)
+def test_transformers_before_5_says_how_to_install(folders, tmp_path, capsys, monkeypatch) -> None:
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda n: "4.57.1" if n == "transformers" else real(n)
+    )
+    args = ["train", "--hf", str(folders["llama"]), "--out", str(tmp_path / "never")]
+    code, _, err = cli(args, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "transformers 5 or later (this has 4.57.1)" in err and "shardwise[hf]" in err
     assert not (tmp_path / "never").exists()

@@ -143,11 +143,12 @@ def fully_shard(
     if check is None:
         check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
     label = type(modules[0]).__name__
+    # Made before anything changes: new_group can fail (a timeout, a backend).
+    smaller = post_forward_group(mesh, post_forward_size) if named and post_forward_size else None
     state = ModuleState(modules, mesh, raf, policy, prefetch, label, bool(check))
     if named:
         state.group = ParamGroup(state, named, mesh, policy, label, tp, dims, offload)
-        if post_forward_size:
-            state.group.post_forward_group = post_forward_group(mesh, post_forward_size)
+        state.group.post_forward_group = smaller
         _groups.add(state.group)
     for _, p, _ in named:
         _taken[id(p)] = weakref.ref(p)
@@ -188,7 +189,18 @@ def _as_modules(module: Any) -> list[nn.Module]:
             )
     if len({id(m) for m in modules}) < len(modules):
         raise ValueError("fully_shard got the same module twice in its list; list each once")
+    for m in modules:
+        inner = [type(o).__name__ for o in modules if o is not m and _contains(m, o)]
+        if inner:
+            raise ValueError(
+                f"fully_shard's list holds {type(m).__name__} and {inner[0]} inside it; list "
+                "modules that run one after another (shard the inner one on its own first)"
+            )
     return modules
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
 
 
 def _resolve_reshard(raf: bool | int | None, mesh: DeviceMesh) -> tuple[bool | None, int]:
@@ -218,23 +230,19 @@ _post_forward_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def post_forward_group(mesh: DeviceMesh, n: int) -> dist.ProcessGroup:
-    """This rank's group of n consecutive ranks of its shard group.
+    """This rank's group of n consecutive ranks of its shard group, shared between modules.
 
-    Every rank creates every such group (``new_group`` is collective over the
-    world), in the same order; groups are shared between modules.
+    Only its members create it (``use_local_synchronization``): on a sliced
+    mesh (``mesh["dp"]`` of a (dp, tp) mesh) a rank cannot see the other
+    slices' shard groups, so a world-wide creation of every group would not
+    run in the same order everywhere.
     """
-    rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()  # one per shard group
-    me = dist.get_rank()
-    mine = None
-    for row in rows:
-        for i in range(0, len(row), n):
-            ranks = tuple(row[i : i + n])
-            if ranks not in _post_forward_groups:
-                _post_forward_groups[ranks] = dist.new_group(list(ranks))
-            if me in ranks:
-                mine = _post_forward_groups[ranks]
-    assert mine is not None
-    return mine
+    row = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))  # this shard group
+    start = mesh.get_local_rank(mesh.ndim - 1) // n * n
+    ranks = tuple(row[start : start + n])
+    if ranks not in _post_forward_groups:
+        _post_forward_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _post_forward_groups[ranks]
 
 
 def _shard_dims(

@@ -147,6 +147,10 @@ class FSDPContext:
             if s.phase is not Phase.IDLE:
                 s.phase = Phase.IDLE
                 s.reshard_now()
+            elif s.group is not None:
+                # A part kept for a backward that never came (reshard_after_forward=int)
+                # is stale once the optimizer has stepped: gather anew.
+                s.group.drop_kept()
             if s.group is not None:
                 s.group.detach_autograd()  # a new forward pass: one attachment per module
         if self.post_optim_event is not None:
@@ -287,6 +291,7 @@ class FSDPContext:
         for s in self.states:
             s.phase = Phase.IDLE
             s.backward_done = False
+            s._to_run.clear()
             s.reshard_now()
             if s.group is not None:
                 s.group.detach_autograd()

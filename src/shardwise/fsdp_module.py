@@ -101,6 +101,7 @@ class FSDPModule:
             s.reshard_after_forward = s.reshard_after_forward_setting = reshard_after_forward
             if s.group is not None:
                 s.group.post_forward_group = None  # as FSDP2: a bool replaces an int
+                s.group.drop_kept()
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

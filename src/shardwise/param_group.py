@@ -347,14 +347,16 @@ class ParamGroup:
         if all(local_of(sp.sharded) is loc for sp, loc in zip(self.params, self._locals)):
             return
         first = local_of(self.params[0].sharded)
-        self.flat = self._new_flat(first.device)
+        # Offloaded shards go back to host memory (to_empty(device="cuda") moved them).
+        device = self._device_for(first.device) if self.offload_policy else first.device
+        self.flat = self._new_flat(device)
         self._locals = []
         for sp in self.params:
             view = self._flat_view(sp)
             view.copy_(local_of(sp.sharded))
             sp.sharded._local_tensor = view  # type: ignore[attr-defined]
             self._locals.append(view)
-        self._make_unsharded_views(first.device)
+        self._make_unsharded_views(device)
 
     # ---- unshard / reshard --------------------------------------------------------------
 
@@ -375,7 +377,7 @@ class ParamGroup:
                 self._install_plain()
                 return
             with collectives.side_stream("gather", self.device):  # the upload, beside compute
-                self.unsharded_flat.copy_(self.flat, non_blocking=True)
+                self.unsharded_flat.copy_(self.flat.to(self.device, non_blocking=True))
                 self._pending = collectives.Pending(offload.Uploaded(self.device))
             self._gather_out = self.unsharded_flat
             self.state = GroupState.GATHERING
@@ -400,7 +402,9 @@ class ParamGroup:
                 src = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
         with collectives.side_stream("gather", self.device if copy_in else None):
             if copy_in:
-                src.copy_(self.flat, non_blocking=True)
+                # Uploaded as it is, cast on the GPU (a cross-device copy that
+                # also casts would cast on the CPU first).
+                src.copy_(self.flat.to(self.device, non_blocking=True))
             self._pending = collectives.all_gather(
                 out, src, group, self.label, self.custom_all_gather
             )
@@ -512,6 +516,10 @@ class ParamGroup:
         tracer = active_trace()
         if tracer is not None:
             tracer.instant("reshard", self.label)
+
+    def drop_kept(self) -> None:
+        """Forget the part kept after forward (``reshard_after_forward=int``)."""
+        self._kept = None
 
     def _part_for_backward(self) -> torch.Tensor:
         """The rank-major gather input for the post-forward group: the pieces of

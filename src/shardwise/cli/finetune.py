@@ -93,6 +93,8 @@ def resolve(
                 f"--resume {resume_arg}: the checkpoint is of model {resumed.get('model')!r}"
                 f"{' from ' + resumed['hf'] if resumed.get('hf') else ''}, not of --hf {c['hf']}"
             )
+        if "lora_targets" in given and given["lora_targets"]:
+            given = {**given, "lora_targets": _targets(given["lora_targets"])}
         for k in lora_flags:
             if given[k] != resumed.get(k) and k != "adapter_only":
                 flag = f"--{k.replace('_', '-')}"
@@ -118,10 +120,18 @@ def resolve(
         if not c["lora_alpha"] > 0:
             raise UsageError(f"--lora-alpha must be positive, got {c['lora_alpha']}")
         targets = c["lora_targets"] or "all-linear"
-        names = [t.strip() for t in targets.split(",") if t.strip()]
-        if not names:
+        if not _targets(targets):
             raise UsageError(f"--lora-targets {targets!r} names no module")
-        c["lora_targets"] = ",".join(names)
+        c["lora_targets"] = _targets(targets)
+        tied = {"lm_head", "embed_tokens"} & set(c["lora_targets"].split(","))
+        if tied and config.get("tie_word_embeddings", False):
+            # The merged export could not hold an adapted head and an unadapted
+            # embedding (or the reverse) that share one weight.
+            raise UsageError(
+                f"--lora-targets {sorted(tied)[0]}: this model ties its output head to its "
+                "input embedding, so an adapter there cannot be merged into both; adapt "
+                "other modules"
+            )
     c["adapter_only"] = bool(c["adapter_only"])
     c["model"] = str(config["model_type"])
     context = context_length(config)
@@ -264,3 +274,8 @@ def export_at_end(hf: Any, out: Path, cfg: dict[str, Any], ckpt: Path) -> Path:
             f"--ckpt {out} --out DIR)"
         ) from e
     return exported
+
+
+def _targets(text: str) -> str:
+    """``--lora-targets`` normalised: comma-separated names without spaces."""
+    return ",".join(t.strip() for t in text.split(",") if t.strip())

@@ -155,7 +155,11 @@ def _sample_hf(
         else None
     )
     hf, tokenizer, extra = load_run(config, ckpt, device, mesh)
-    prompt = tokenizer(args.prompt)["input_ids"] or [tokenizer.eos_token_id]
+    # As training saw text: no BOS added; an empty prompt starts a new document.
+    prompt = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    if not prompt:
+        start = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        prompt = [start]
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     gen = torch.Generator().manual_seed(args.seed)
     out = generate(

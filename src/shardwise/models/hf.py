@@ -66,6 +66,14 @@ def require_extra(flag: str = "--hf") -> None:
             f"{flag} needs the optional packages transformers, peft and safetensors "
             f"({name} is not installed): {INSTALL}"
         )
+    from importlib.metadata import version
+
+    major = version("transformers").split(".")[0]
+    if not major.isdigit() or int(major) < 5:
+        # Loading relies on transformers 5's meta-device initialisation of buffers.
+        raise HFError(
+            f"{flag} needs transformers 5 or later (this has {version('transformers')}): {INSTALL}"
+        )
 
 
 def check_folder(path: str | os.PathLike[str], flag: str = "--hf") -> dict[str, Any]:
