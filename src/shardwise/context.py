@@ -22,7 +22,7 @@ from .trace import active as active_trace
 
 if TYPE_CHECKING:
     from .module import ModuleState
-    from .param_group import ReduceJob
+    from .reduce import ReduceJob
 
 
 class Phase(Enum):

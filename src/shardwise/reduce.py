@@ -1,0 +1,156 @@
+"""A module's gradient reduction in flight: the copy-in, the reduce-scatter, HSDP's all-reduce.
+
+Why a job object: a module's post-backward starts its reduction and returns at
+once, so the next module's backward computes while it runs; the job holds
+every buffer the collectives read or write until ``finish`` has waited for
+them (then the reduced shards go on the parameters' ``.grad``). By default
+one job is in flight at a time (context.py's ``finish_reduces``), bounding
+the memory held for communication to one module.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import collectives, offload
+
+if TYPE_CHECKING:
+    from .param_group import ParamGroup
+    from .sharded_param import ShardedParam
+
+
+class ReduceJob:
+    """A module's gradient reduction in flight: reduce-scatter, then (HSDP) all-reduce.
+
+    The default averages over every data-parallel rank: the reduce-scatter
+    divides by the shard group's size, the all-reduce by the replicas'. A
+    custom divide factor sums throughout and divides once at the end (what
+    FSDP2 does with ``PREMUL_SUM``, which gloo lacks).
+    """
+
+    def __init__(self, group: ParamGroup, grads: list[torch.Tensor | None], used: list[bool]):
+        g = self.group = group
+        self._pending: collectives.Pending | None = None
+        # The flat layout restricted to the parameters that can have gradients:
+        # the trainable ones (the same on every rank; unused ones send zeros)
+        # and any that got one. A LoRA layer reduces its adapters, not zeros
+        # the size of its frozen base.
+        self.members = [
+            sp for sp, t in zip(g.params, grads) if t is not None or sp.sharded.requires_grad
+        ]
+        if g.reduce_scatter_unused:
+            # Every rank assigns every member: a parameter used on some ranks
+            # only gets the mean (zeros from the others) everywhere.
+            member = {sp.index for sp in self.members}
+            used = [u or sp.index in member for sp, u in zip(g.params, used)]
+        self.used = used
+        hsdp = g.replicate_group is not None
+        plain = g.divide_factor is None and g.all_reduce_hook is None
+        if g.world == 1 and not hsdp and plain and g.offload_policy is None:
+            # Nothing to average: the gradients are the shards.
+            if g.reduce_scatter_unused:
+                grads = _zeros_for(g, grads, self.members)
+            self.shards: list[Any] = [None if t is None else t.contiguous() for t in grads]
+            return
+        device = g.device
+        padded = _zeros_for(g, grads, self.members)
+        filled = [sp.for_reduce(t) for sp in self.members if (t := padded[sp.index]) is not None]
+        if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
+            filled = [t.to(g.reduce_dtype) for t in filled]
+        numel = sum(sp.slot for sp in self.members)
+        self.out = torch.empty(numel, dtype=g.reduce_dtype, device=device)
+        if g.world == 1:
+            torch._chunk_cat(filled, dim=0, num_chunks=1, out=self.out.view(1, -1))
+            self._rs_in = None
+        else:
+            self._rs_in = torch.empty(g.world, numel, dtype=g.reduce_dtype, device=device)
+            # The copy-in overlaps the backward compute queued next. The gradients
+            # it reads may be freed as soon as it has run, not when the reduction
+            # is waited for: record_stream tells the allocator so.
+            with collectives.side_stream("reduce", device):
+                torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
+                if device.type == "cuda":
+                    stream = torch.cuda.current_stream(device)
+                    for t in filled:
+                        t.record_stream(stream)
+                self._pending = collectives.reduce_scatter(
+                    self.out,
+                    self._rs_in.view(-1),
+                    g.reduce_scatter_group,
+                    g.label,
+                    divide_by=None if g.divide_factor is not None else g.world,
+                    comm=g.custom_reduce_scatter,
+                )
+        self.shards = []
+
+    def finish(self) -> None:
+        """Wait for the reduction and put the shards on the parameters' ``.grad``."""
+        g = self.group
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = self._rs_in = None
+        if not self.shards:
+            out = self.out
+            if g.replicate_group is not None:
+                if not self._all_reduce(out):
+                    return  # held back (set_requires_all_reduce(False)): no gradient yet
+            if g.divide_factor is not None:
+                out.div_(g.divide_factor)
+            if g.all_reduce_hook is not None:
+                g.all_reduce_hook(out)
+            if g.offload_policy is not None:
+                out = self._download(out)
+            self.shards = [None] * len(g.params)
+            offset = 0
+            for sp in self.members:
+                self.shards[sp.index] = out[offset : offset + sp.local_numel].view(sp.local_shape)
+                offset += sp.slot
+        g.assign_grads(self.shards, self.used)
+
+    def _download(self, out: torch.Tensor) -> torch.Tensor:
+        """The reduced shards, copied to host memory (offload): the CPU gradients."""
+        g = self.group
+        assert g.offload_policy is not None and g.owner.context is not None
+        host, done = offload.download(out, g.orig_dtype, g.offload_policy.pin_memory)
+        if done is not None:
+            if any(sp.sharded.grad is not None for sp in self.members):
+                done.synchronize()  # added to CPU gradients now: they must have arrived
+            else:
+                g.owner.context.downloads.append(done)  # waited for at the end of backward
+        return host
+
+    def _all_reduce(self, out: torch.Tensor) -> bool:
+        """HSDP: average ``out`` over the replicas, with sums held back before; False to hold."""
+        g = self.group
+        assert g.replicate_group is not None
+        members = [sp.index for sp in self.members]
+        if g._partial is not None:
+            held, partial = g._partial
+            if held != members:
+                raise RuntimeError(
+                    f"module {g.label!r}: the trainable parameters changed while reductions "
+                    "were held back by set_requires_all_reduce(False); change requires_grad "
+                    "only after a backward that all-reduces"
+                )
+            out.add_(partial)
+            g._partial = None
+        if not g.requires_all_reduce:
+            g._partial = (members, out)
+            return False
+        replicas = g.replicate_group.size()
+        divide = None if g.divide_factor is not None else replicas
+        collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide).wait()
+        return True
+
+
+def _zeros_for(
+    g: ParamGroup, grads: list[torch.Tensor | None], members: list[ShardedParam]
+) -> list[torch.Tensor | None]:
+    """``grads`` with zeros for members that got none (unused on this rank)."""
+    out = list(grads)
+    for sp in members:
+        if out[sp.index] is None:
+            out[sp.index] = torch.zeros(sp.shape, dtype=g.compute_dtype, device=g.device)
+    return out
