@@ -154,18 +154,6 @@ def logits(model: torch.nn.Module, spec: ModelSpec, idx: torch.Tensor) -> torch.
     return model(input_ids=idx).logits
 
 
-def compile_blocks(blocks: list[torch.nn.Module], device: torch.device) -> None:
-    """``block.compile()`` after sharding, per block, as torchtitan does.
-
-    The sharding hooks stay eager in every configuration: dynamo skips
-    FSDP2's, and shardwise's break the graph on purpose (module.py,
-    ``outside_compile``); the compiled region is each block's forward.
-    """
-    backend = "inductor" if device.type == "cuda" else "aot_eager"
-    for block in blocks:
-        block.compile(backend=backend)
-
-
 def flops_per_token(n_params: int, spec: ModelSpec) -> float:
     """6N for the matmuls plus causal attention (PaLM appendix B style); no recompute."""
     return 6 * n_params + 6 * spec.n_layer * spec.d_model * spec.seq_len

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
+from ..models.gpt import compile_blocks
 from . import memory
-from .models import ModelSpec, build, compile_blocks, logits
+from .models import ModelSpec, build, logits
 
 
 @dataclass
@@ -88,7 +89,7 @@ def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
     if job.compile:
-        compile_blocks(blocks, device)
+        compile_blocks(blocks, device.type)
     # The fused AdamW on CUDA for every configuration: the fastest each can use
     # (offloaded, it steps on CPU, where torch has a fused AdamW too).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)

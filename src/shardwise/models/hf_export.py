@@ -137,6 +137,8 @@ def export(
             _finish(hf, out, partial, weight_of, total, adapter_only)
         except Exception as e:  # noqa: BLE001
             error = e
+    if _rank() == 0 and error is not None and partial.exists():
+        shutil.rmtree(partial, ignore_errors=True)  # a failed export leaves nothing behind
     _share_outcome(error, out)
 
 
