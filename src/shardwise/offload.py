@@ -10,9 +10,10 @@ behind it for its whole duration. Uploads run on the gather copy-in stream
 (``collectives.side_stream``), ordered after the compute issued so far (so the
 memory they write is free) and before the all-gather that reads them (issued
 on the same stream, so NCCL waits for the copy, not for compute); a prefetch
-then uploads and gathers while the previous module computes. Downloads run on another stream and are waited for
-once, by the CPU, at the end of backward: the optimizer must not read a
-gradient still in flight, but nothing before it needs to.
+then uploads and gathers while the previous module computes. Downloads run
+on another stream and are waited for once, by the CPU, at the end of
+backward: the optimizer must not read a gradient still in flight, but
+nothing before it needs to.
 """
 
 from __future__ import annotations
