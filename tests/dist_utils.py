@@ -100,3 +100,23 @@ def run_distributed(
             f"distributed test timed out or crashed after {timeout}s (exit codes {codes})"
         )
     return [results[r] for r in range(world)]
+
+
+def run_named_checks(
+    checks: dict[str, Callable[[int, int], None]], rank: int, world: int, names: list[str]
+) -> dict[str, str | None]:
+    """Run ``checks[name]`` for each name on this rank: None where it passed, else its
+    traceback, so one set of processes serves many tests (each reads its own entry)."""
+    import warnings
+
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                warnings.simplefilter("ignore", FutureWarning)
+                checks[name](rank, world)
+            out[name] = None
+        except Exception:  # noqa: BLE001 - reported by the check's own test
+            out[name] = traceback.format_exc()
+    return out

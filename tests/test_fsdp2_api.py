@@ -7,8 +7,6 @@ fixture); each test reads its own check's result.
 from __future__ import annotations
 
 import copy
-import traceback
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_named_checks
 from models import Net, batches, loss_fn
 from shardwise import collectives, fully_shard
 from test_core import assert_between_steps, shard_net
@@ -346,16 +344,7 @@ CHECKS_W2: dict[str, Callable[[int, int], None]] = {
 
 
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for name in names:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                CHECKS_W2[name](rank, world)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported by the check's own test
-            out[name] = traceback.format_exc()
-    return out
+    return run_named_checks(CHECKS_W2, rank, world, names)
 
 
 @pytest.fixture(scope="module")

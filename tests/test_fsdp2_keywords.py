@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import tempfile
-import traceback
-import warnings
 from collections.abc import Callable
 
 import pytest
@@ -20,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_named_checks
 from models import Net, batches, loss_fn
 from shardwise import collectives, fully_shard
 from test_core import (
@@ -362,16 +360,7 @@ W4 = {"shard_placement_fn", "reshard_after_forward=int", "reshard_after_forward=
 
 
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for name in names:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                CHECKS[name](rank, world)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported by the check's own test
-            out[name] = traceback.format_exc()
-    return out
+    return run_named_checks(CHECKS, rank, world, names)
 
 
 @pytest.fixture(scope="module")

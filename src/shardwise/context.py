@@ -172,7 +172,11 @@ class FSDPContext:
     def end_forward(self) -> None:
         self._in_forward = False
         for s in self.states:
-            s._to_run.clear()
+            if s._to_run:
+                # A group some of whose modules did not run (or ran again): its
+                # forward ends with the root's, as in FSDP2 (the root resharded it).
+                s._to_run.clear()
+                s.phase = Phase.IDLE
         self.fwd.finish(self._depths())
         tracer = active_trace()
         if tracer is not None:

@@ -220,12 +220,6 @@ class ModuleState:
         self._set_phase(Phase.IDLE)
         will_backward = bool(tensors) and torch.is_grad_enabled()
         if self is ctx.root:
-            for s in ctx.states:
-                if s._to_run:
-                    # A group some of whose modules did not run (or ran again): its
-                    # forward ends with the root's, as in FSDP2 (resharded below).
-                    s._to_run.clear()
-                    s._set_phase(Phase.IDLE)
             if will_backward and module.training:
                 # The root runs backward first: by default (reshard_after_forward
                 # None) it is kept; wasted prefetches are dropped.
