@@ -268,6 +268,14 @@ def check_reshard_int_edges(rank: int, world: int) -> None:
     whole = nn.Linear(4, 4)
     fully_shard(whole, reshard_after_forward=world)  # the whole group: plain True
     assert whole._shardwise_state.group.post_forward_group is None
+    # Not yet with a tensor subclass that gathers itself (test_extensions.py).
+    from test_extensions import Tiny, convert
+
+    model = convert(Tiny())
+    before = model.blocks[0].fc1.weight
+    with pytest.raises(ValueError, match="reshard_after_forward=<int>"):
+        fully_shard(model.blocks[0], reshard_after_forward=2)
+    assert model.blocks[0].fc1.weight is before
 
 
 # ---- offload_policy ------------------------------------------------------------------------

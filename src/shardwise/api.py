@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from . import extensions
 from .fsdp_module import FSDPModule
 from .module import ModuleState, outside_compile
 from .offload import OffloadPolicy, check_offload_policy
@@ -139,6 +140,7 @@ def fully_shard(
     _check_params(modules[0], named, mesh.device_type)
     tp = _tp_layouts(named, mesh)
     dims = _shard_dims(named, mesh, shard_placement_fn, tp)
+    extensions.check(named, dims or [0] * len(named), offload, post_forward_size, mesh)
 
     if check is None:
         check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")

@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         "AdamW in host memory",
     )
     p.add_argument(
+        "--float8",
+        action="store_true",
+        help="torchao float8 training of the blocks' linears in every configuration, "
+        "gathered in fp8 by fsdp2 and shardwise (needs torchao and an fp8 GPU)",
+    )
+    p.add_argument(
         "--batch-size", type=int, default=None, help="per rank (default: 4 on a GPU, 8 on CPU)"
     )
     p.add_argument(
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                             compiled,
                             spec,
                             args.offload,
+                            args.float8,
                         )
                         for c in configs
                     ]
@@ -229,6 +236,7 @@ def _run_group(jobs: list[Job], rounds: int) -> list[dict[str, Any]]:
             "mp": job.mp,
             "compiled": job.compile,
             "offload": job.offload,
+            "float8": job.float8,
             "batch_size": job.batch_size,
             "seq_len": job.seq_len,
             "device": job.device,
@@ -247,6 +255,7 @@ def _run_group(jobs: list[Job], rounds: int) -> list[dict[str, Any]]:
             params=res[0]["params"],
             fused_adamw=res[0]["fused_adamw"],
             loss=res[-1]["loss"],
+            gather_mib_per_step=res[0].get("gather_bytes_per_step", 0) / 2**20,
         )
         if job.compile:
             row["dynamo_graphs"] = res[0]["dynamo_graphs"]

@@ -114,7 +114,13 @@ class ModuleState:
         return ctx
 
     def _gather(self, prefetch: list[ModuleState]) -> None:
-        """Issue our gather, then the prefetches, then wait for ours only."""
+        """Issue our gather and wait for it, then issue the prefetches.
+
+        Ours first: its output buffer is freed by its copy-out before a
+        prefetch allocates another, so one gather buffer is alive, not two
+        (usually ours was prefetched already, so the wait is short). The
+        prefetches are still issued before this module computes: they overlap it.
+        """
         group = self.group
         if group is None:
             return
@@ -124,7 +130,7 @@ class ModuleState:
         if tracer is not None and group.state is not GroupState.UNSHARDED:
             tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
         group.prefetched = False
-        group.unshard()
+        group.wait_unsharded()
         if not group.communicates:
             # Nothing to hide: a one-rank "gather" is a cast on the compute
             # stream, and gathering ahead would only hold memory sooner.
@@ -139,7 +145,6 @@ class ModuleState:
                 g.prefetched = True
                 if self.context is not None and self.context.check:
                     self.context.log(f"{s.label}: prefetched by {self.label}")
-        group.wait_unsharded()
 
     # ---- hooks --------------------------------------------------------------------------
 
@@ -294,6 +299,10 @@ class ModuleState:
         """Reduce (``grads`` None: only what was accumulated) and reshard."""
         ctx = self.context
         assert ctx is not None and self.group is not None
+        # Reshard first: the reduction reads gradients, not parameters, so the
+        # unsharded parameters go before its buffers are allocated.
+        if self.reshard_after_backward:
+            self.group.reshard()
         if grads is not None or self.group.has_accumulated:
             # One reduction in flight at a time (by default) bounds the gradient
             # memory held.
@@ -301,8 +310,6 @@ class ModuleState:
             job = self.group.reduce_grads(grads or [None] * len(self.group.params))
             if job is not None:
                 ctx.pending_reduces.append(job)
-        if self.reshard_after_backward:
-            self.group.reshard()
         self.backward_done = True
         self._set_phase(Phase.IDLE)
 

@@ -60,6 +60,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from . import collectives, offload
+from .extensions import Extension, PackedGather, has_hooks
 from .offload import CPUOffloadPolicy
 from .precision import MixedPrecisionPolicy, resolve_dtypes
 from .reduce import ReduceJob
@@ -144,6 +145,7 @@ class ParamGroup:
         # Gathers go over the wire or the host link (else: an alias or a cast).
         self.communicates = self.world > 1 or offload_policy is not None
         self.orig_dtype = named[0][1].dtype
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
         self.state = GroupState.SHARDED
         self.requires_gradient_sync = True
@@ -180,10 +182,13 @@ class ParamGroup:
                 fqn, locs, shape, p.requires_grad, self.world, self.rank, offset, dim, layout
             )
             sp.index = len(self.params)
+            if layout is None and has_hooks(p):  # a subclass that gathers itself (extensions.py)
+                sp.ext = Extension(fqn, p)
             self.params.append(sp)
             offset += sp.slot
         # Parameters split along a dim other than 0 are copied out one by one.
         self.interleaved = any(sp.dim != 0 for sp in self.params)
+        self.ext_gather = PackedGather() if any(sp.ext for sp in self.params) else None
         self.shard_numel = offset
         self._shard(named)
 
@@ -231,7 +236,8 @@ class ParamGroup:
             # The constructor, not from_local: that would move an offloaded
             # shard to the mesh's device.
             meta = TensorMeta(shape, contiguous_stride(shape), view.dtype)
-            dt = DTensor(view, DTensorSpec(mesh, tuple(placements), meta), requires_grad=False)  # type: ignore[call-arg]
+            local = view if sp.ext is None else sp.ext.wrap(view)
+            dt = DTensor(local, DTensorSpec(mesh, tuple(placements), meta), requires_grad=False)  # type: ignore[call-arg]
             sp.sharded = nn.Parameter(dt, requires_grad=grad)
             self._locals.append(local_of(sp.sharded))
             sp.install(sp.sharded)
@@ -310,31 +316,42 @@ class ParamGroup:
             self.world == 1
             and self.compute_dtype == self.orig_dtype
             and self.offload_policy is None
+            and self.ext_gather is None
         )
+        # Where each parameter starts in the unsharded buffer. Parameters that
+        # gather themselves (extensions.py) have their own outputs instead.
+        starts, n = [], 0
+        for sp in self.params:
+            starts.append(n * self.world)
+            n += sp.slot if sp.ext is None else 0
         if self.aliased:
             self.unsharded_flat = self.flat
         else:
-            n = self.world * self.shard_numel
-            self.unsharded_flat = torch.empty(n, dtype=self.compute_dtype, device=device)
+            self.unsharded_flat = torch.empty(
+                self.world * n, dtype=self.compute_dtype, device=device
+            )
         storage = self.unsharded_flat.untyped_storage()
-        for sp in self.params:
-            start = sp.offset * self.world
+        self._copy_out = []
+        for sp, start in zip(self.params, starts):
+            if sp.ext is not None:
+                sp.ext.reset()  # its unsharded form is made by its first gather
+                self._copy_out.append(self.unsharded_flat[:0])
+                continue
             sp.unsharded = torch.empty(0, dtype=self.compute_dtype, device=device).set_(
                 storage, start, sp.shape, contiguous_stride(sp.shape)
             )
             sp.plain = sp.unsharded if sp.tp is None else sp.tp.constant(sp.unsharded)
-        # Rank-major gather output -> param-major parameters, one kernel.
-        # (Views of the flat buffer, not of the parameters: writing through them
-        # must not bump the parameters' version counters, which autograd checks.)
-        # Split along another dim: [before, world, piece, after], each rank's piece in place.
-        self._copy_out = [
-            self.unsharded_flat[sp.offset * self.world : (sp.offset + sp.slot) * self.world].view(
-                (self.world, sp.slot)
-                if sp.dim == 0
-                else (sp.before, self.world, sp.chunk, sp.after)
+            # Rank-major gather output -> param-major parameters, one kernel.
+            # (Views of the flat buffer, not of the parameters: writing through them
+            # must not bump the parameters' version counters, which autograd checks.)
+            # Split along another dim: [before, world, piece, after], each rank's piece in place.
+            self._copy_out.append(
+                self.unsharded_flat[start : start + sp.slot * self.world].view(
+                    (self.world, sp.slot)
+                    if sp.dim == 0
+                    else (sp.before, self.world, sp.chunk, sp.after)
+                )
             )
-            for sp in self.params
-        ]
         if not self.aliased and device.type != "meta":
             self.unsharded_flat.untyped_storage().resize_(0)  # views first: they check bounds
 
@@ -355,8 +372,9 @@ class ParamGroup:
         for sp in self.params:
             view = self._flat_view(sp)
             view.copy_(local_of(sp.sharded))
-            sp.sharded._local_tensor = view  # type: ignore[attr-defined]
-            self._locals.append(view)
+            local = view if sp.ext is None else sp.ext.wrap(view)
+            sp.sharded._local_tensor = local  # type: ignore[attr-defined]
+            self._locals.append(local)
         self._make_unsharded_views(device)
 
     # ---- unshard / reshard --------------------------------------------------------------
@@ -369,6 +387,10 @@ class ParamGroup:
         if self.aliased:
             self.state = GroupState.UNSHARDED
             self._install_plain()
+            return
+        if self.ext_gather is not None:
+            self._gather_in, self._gather_out, self._pending = self.ext_gather.issue(self)
+            self.state = GroupState.GATHERING
             return
         if self.world == 1:
             self._allocate_unsharded()
@@ -400,7 +422,9 @@ class ParamGroup:
             # A cast to param_dtype, or an upload from host memory, comes first.
             copy_in = self.flat.dtype != self.compute_dtype or self.flat.device != self.device
             if copy_in:
-                src = torch.empty(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+                # Cast (or uploaded) straight into this rank's slot of the output:
+                # an in-place all-gather, no second buffer.
+                src = out.view(self.world, self.shard_numel)[self.rank]
         with collectives.side_stream("gather", self.device if copy_in else None):
             if copy_in:
                 # Uploaded as it is, cast on the GPU (a cross-device copy that
@@ -419,7 +443,10 @@ class ParamGroup:
             return
         assert self._pending is not None and self._gather_out is not None
         self._pending.wait()
-        if self._gather_out is not self.unsharded_flat:
+        if self.ext_gather is not None:
+            self._allocate_unsharded()
+            self.ext_gather.unpack(self, self._gather_out)
+        elif self._gather_out is not self.unsharded_flat:
             self._allocate_unsharded()
             gathered = self._gather_out.view(self.world, self.shard_numel)
             if not self.interleaved:
@@ -507,6 +534,8 @@ class ParamGroup:
             return
         for sp in self.params:
             sp.install(sp.sharded)
+            if sp.ext is not None:
+                sp.ext.free()
         if not self.aliased:
             self.unsharded_flat.untyped_storage().resize_(0)
         # The attachment survives a reshard: a module called twice in one forward
@@ -541,6 +570,7 @@ class ParamGroup:
     def unsharded_bytes(self) -> int:
         """Bytes of unsharded storage this group holds right now (also a kept part)."""
         kept = 0 if self._kept is None else self._kept.nbytes
+        kept += sum(sp.ext.nbytes for sp in self.params if sp.ext is not None)
         if self.aliased:
             return kept
         return self.unsharded_flat.untyped_storage().nbytes() + kept

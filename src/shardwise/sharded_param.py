@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from .tensor_parallel import TPLayout
+
+if TYPE_CHECKING:
+    from .extensions import Extension
 
 
 @dataclass
@@ -41,6 +45,7 @@ class ShardedParam:
     dim: int = 0  # the dimension split over the ranks
     tp: TPLayout | None = None
     index: int = 0  # position in its group
+    ext: Extension | None = None  # a tensor subclass that gathers itself (extensions.py)
     sharded: nn.Parameter = field(init=False)
     unsharded: torch.Tensor = field(init=False)
     plain: torch.Tensor = field(init=False)  # installed while gathered: unsharded, or its DTensor

@@ -88,6 +88,9 @@ def held_tensors(
             local = getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
             if local.device.type != device.type:
                 continue  # e.g. a CPU step counter of a non-fused AdamW on a GPU
+            while hasattr(local, "__tensor_flatten__"):  # a wrapper subclass (float8 weights)
+                names, _ = local.__tensor_flatten__()
+                local = getattr(local, names[0])
             storage = local.untyped_storage()
             ptr, n = storage.data_ptr(), storage.nbytes()
             if n and ptr not in seen:

@@ -41,6 +41,7 @@ class Job:
     compile: bool = False
     spec: ModelSpec | None = None  # resolved by the parent; None: a GPT size
     offload: bool = False  # CPU offload (FSDP2's and shardwise's CPUOffloadPolicy)
+    float8: bool = False  # torchao float8 training of the blocks' linears, fp8 all-gather
 
 
 def _free_port() -> int:
@@ -68,6 +69,8 @@ def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
 
     device = torch.device(job.device)
     model, blocks = build(_spec(job), device, job.ac)
+    if job.float8:
+        _to_float8(blocks, sharded=job.config != "bare")
     bf16 = job.mp == "bf16"
     # Explicit: on a GPU machine a CPU benchmark must not land on the default CUDA mesh.
     mesh = init_device_mesh(job.device, (job.nproc,))
@@ -94,6 +97,24 @@ def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
     # (offloaded, it steps on CPU, where torch has a fused AdamW too).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     return model, opt
+
+
+def _to_float8(blocks: list[torch.nn.Module], sharded: bool) -> None:
+    """torchao's float8 training for the blocks' linears (the head stays as it is, as
+    torchtitan does), with weights that gather themselves in fp8 when sharded."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise RuntimeError("--float8 needs torchao (pip install torchao)") from e
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded)
+
+    def fits(m: torch.nn.Module, fqn: str) -> bool:  # fp8 matmuls want multiples of 16
+        return not isinstance(m, torch.nn.Linear) or (
+            m.in_features % 16 == 0 and m.out_features % 16 == 0
+        )
+
+    for block in blocks:
+        convert_to_float8_training(block, config=config, module_filter_fn=fits)
 
 
 def _worker(rank: int, job: Job, port: int, q: Any) -> None:
@@ -146,6 +167,16 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
             mark("step")
             return loss.detach()
 
+        # What shardwise's all-gathers move per step (the timeline's bytes).
+        from ..collectives import add_observer
+
+        gathered_bytes = [0]
+
+        def count(rec: Any, _: Any) -> None:
+            if rec.kind == "all_gather":
+                gathered_bytes[0] += rec.nbytes
+
+        remove = add_observer(count)
         times = []
         for i in range(job.warmup + job.steps):
             idx = batch()
@@ -158,6 +189,9 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
                 torch.cuda.synchronize()
             if i >= job.warmup:
                 times.append(time.perf_counter() - t0)
+            if i == 0:
+                step_gather_bytes = gathered_bytes[0]
+        remove()
         graphs = 0
         if job.compile:  # one graph for same-shaped blocks; more means recompiles
             from torch._dynamo.utils import counters
@@ -196,6 +230,7 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
                         "params": n_params,
                         "loss": float(loss),  # the last timed step's, rank 0
                         "dynamo_graphs": graphs,
+                        "gather_bytes_per_step": step_gather_bytes,  # 0 unless shardwise
                         # The rank whose breakdown step peaked highest: the one that limits.
                         "memory": max(breakdowns, key=lambda b: b["peak_bytes"]),
                     },

@@ -88,7 +88,7 @@ CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
 # Keeps the run folder's lock alive in a worker that took it (torchrun direct).
 _held: list[Any] = []
 # Smaller models take larger steps; 2e-3 makes the 1B model spike early on.
-PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "medium": 3e-4, "large": 1.5e-4}
+PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "base": 6e-4, "medium": 3e-4, "large": 1.5e-4}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--lr",
         type=float,
-        help="peak learning rate of AdamW (default: tiny 2e-3, small 1e-3, medium 3e-4, large 1.5e-4)",
+        help="peak learning rate of AdamW (default: tiny 2e-3, small 1e-3, base 6e-4, medium 3e-4, large 1.5e-4)",
     )
     t.add_argument(
         "--warmup", type=int, help="linear warmup steps (default: steps/10, at most 100)"

@@ -42,6 +42,8 @@ SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(seq_len=128, n_layer=4, n_head=4, d_model=128),
     # nanoGPT's character-level Shakespeare shape: minutes on a CPU, seconds on a GPU.
     "small": GPTConfig(seq_len=256, n_layer=6, n_head=6, d_model=384),
+    # About 86M parameters (GPT-2 small's shape): the small end of the GPU sweeps.
+    "base": GPTConfig(seq_len=1024, n_layer=12, n_head=12, d_model=768),
     # About 1.01B parameters: one H200, or several.
     "medium": GPTConfig(seq_len=2048, n_layer=20, n_head=16, d_model=2048),
     # 7B-class (6.5B parameters): with AdamW, two H200s or more.
