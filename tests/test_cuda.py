@@ -247,3 +247,51 @@ def test_cuda_float8_all_gather_matches_fsdp2() -> None:
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 matmuls need compute capability 8.9 or newer")
     run_distributed(float8_worker, world(), backend=NCCL)
+
+
+def comm_alloc_worker(rank: int, world: int, mode: str) -> None:
+    """Communication buffers from NCCL's allocator or symmetric memory: same training."""
+    import copy
+
+    from models import Net, batches
+    from shardwise import FSDPModule, MixedPrecisionPolicy
+    from test_core import make_opt, shard_net, step_and_compare
+
+    torch.manual_seed(0)
+    ref = Net(d=32, ac="none").cuda()
+    model = copy.deepcopy(ref)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    shard_net(model, {"mp_policy": policy})
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def enable(m: FSDPModule) -> None:
+        if mode == "process_group":
+            m.set_allocate_memory_from_process_group_for_comm(True)
+        else:
+            m.set_symm_mem_for_comm()
+
+    modules[0].set_custom_reduce_scatter(lambda **kw: None)
+    with pytest.raises(ValueError, match="one or the other"):
+        enable(modules[0])
+    assert modules[0]._shardwise_state.group.comm_alloc is None
+    modules[0]._shardwise_state.group.custom_reduce_scatter = None
+    for m in modules:
+        enable(m)
+    groups = [m._shardwise_state.group for m in modules if m._shardwise_state.group is not None]
+    assert groups and all(g.comm_alloc is not None for g in groups)
+    with pytest.raises(ValueError, match="one or the other"):
+        modules[0].set_custom_all_gather(lambda **kw: None)
+    assert groups[0].custom_all_gather is None
+    opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
+    for idx in batches(3):
+        step_and_compare(model, opt, ref, ref_opt, idx.cuda())
+    if mode == "process_group":
+        modules[0].set_allocate_memory_from_process_group_for_comm(False)
+        assert modules[0]._shardwise_state.group.comm_alloc is None
+
+
+@pytest.mark.parametrize("mode", ["process_group", "symm_mem"])
+def test_cuda_comm_buffers_from_allocator(mode: str) -> None:
+    if world() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_distributed(comm_alloc_worker, world(), mode, backend=NCCL)

@@ -266,8 +266,9 @@ def check_backend_specific_errors(rank: int, world: int) -> None:
     _, model = reference_and_sharded(hsdp=False)
     with pytest.raises(ValueError, match="gloo"):
         model.set_symm_mem_for_comm()
-    with pytest.raises(NotImplementedError, match="gloo"):
+    with pytest.raises(ValueError, match="gloo"):
         model.set_allocate_memory_from_process_group_for_comm(True)
+    assert model._shardwise_state.group.comm_alloc is None  # nothing changed
     model.set_allocate_memory_from_process_group_for_comm(False)
     bad = [
         (lambda: model.set_gradient_divide_factor(0), ValueError),

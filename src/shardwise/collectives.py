@@ -164,6 +164,57 @@ def all_reduce(
     return p
 
 
+# ---- where communication buffers come from ----------------------------------------------
+
+Allocator = Callable[[int, torch.dtype], torch.Tensor]
+
+
+def process_group_allocator(group: dist.ProcessGroup, device: torch.device) -> Allocator:
+    """Buffers from the backend's own allocator (NCCL: memory it can register for
+    zero-copy transfers), as ``FSDPModule.set_allocate_memory_from_process_group_for_comm``.
+    ValueError, naming the backend, where the backend has none."""
+    backend = group._get_backend(device)
+    supports = getattr(backend, "supports_tensor_alloc", None)
+    if supports is None or not supports(device):
+        raise ValueError(
+            f"set_allocate_memory_from_process_group_for_comm(True): the {dist.get_backend(group)} "
+            f"backend cannot allocate tensors on {device.type} (NCCL on a GPU can); leave it off"
+        )
+    _init_communicator(group, device)
+    return lambda numel, dtype: backend.allocate_tensor(numel, dtype=dtype, device=device)
+
+
+def symmetric_allocator(group: dist.ProcessGroup, device: torch.device) -> Allocator:
+    """Buffers in symmetric memory (``torch.distributed._symmetric_memory``), registered
+    with every rank of ``group``, so NCCL may use its copy-engine or symmetric-kernel
+    collectives, as ``FSDPModule.set_symm_mem_for_comm``. Collective: every rank calls it."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if not hasattr(symm_mem, "get_mem_pool"):
+        raise NotImplementedError(
+            f"set_symm_mem_for_comm: torch {torch.__version__} has no symmetric-memory pool "
+            "(torch.distributed._symmetric_memory.get_mem_pool); a newer torch has"
+        )
+    symm_mem.set_backend("NCCL")
+    _init_communicator(group, device)
+    pool = symm_mem.get_mem_pool(device)
+
+    def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.empty(numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(t, group=group.group_name)
+        return t
+
+    return allocate
+
+
+def _init_communicator(group: dist.ProcessGroup, device: torch.device) -> None:
+    """NCCL creates its communicator lazily, at the first collective on the device, and
+    its memory pools need one (without it: an error, or on torch 2.11 a crash). A
+    barrier would not do: on a "cpu:gloo,cuda:nccl" group it runs on gloo."""
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
 _streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 _side_depth = 0  # > 0 while issuing inside side_stream() on a GPU
 

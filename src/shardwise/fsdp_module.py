@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import collectives
 from .context import FSDPContext, Phase
 from .module import ModuleState
 from .param_group import ParamGroup
@@ -200,6 +201,7 @@ class FSDPModule:
         module's flat shards instead of ``dist.all_gather_into_tensor``."""
         if not callable(comm):
             raise TypeError(f"set_custom_all_gather expects a callable, got {comm!r}")
+        _no_comm_alloc(self._groups(recurse=False), "set_custom_all_gather")
         for g in self._groups(recurse=False):
             g.custom_all_gather = comm
 
@@ -208,6 +210,7 @@ class FSDPModule:
         module's gradients instead of ``dist.reduce_scatter_tensor``."""
         if not callable(comm):
             raise TypeError(f"set_custom_reduce_scatter expects a callable, got {comm!r}")
+        _no_comm_alloc(self._groups(recurse=False), "set_custom_reduce_scatter")
         for g in self._groups(recurse=False):
             g.custom_reduce_scatter = comm
 
@@ -233,27 +236,32 @@ class FSDPModule:
             g.reduce_scatter_group = _separate_group(g.shard_group) if flag else g.shard_group
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not available in shardwise yet on any backend (see the README's table)."""
-        _bool("set_allocate_memory_from_process_group_for_comm", enable)
-        if enable:
-            backend = _backend(self._shardwise_state)
-            raise NotImplementedError(
-                "set_allocate_memory_from_process_group_for_comm(True): shardwise does not "
-                f"allocate communication buffers from the process group ({backend}) yet; "
-                "leave it off (the default): gathers and reductions work the same"
-            )
+        """Gather outputs and reduction buffers from the process group's own allocator
+        (NCCL: registered memory, zero-copy over NVLink SHARP). Refused, naming the
+        backend, where it has none (gloo), and beside a custom all-gather/reduce-scatter."""
+        flag = _bool("set_allocate_memory_from_process_group_for_comm", enable)
+        groups = self._groups(recurse=False)
+        if flag:
+            _no_custom_comm(groups, "set_allocate_memory_from_process_group_for_comm")
+            allocators = [
+                collectives.process_group_allocator(g.shard_group, g.device) for g in groups
+            ]
+        for i, g in enumerate(groups):
+            g.comm_alloc = allocators[i] if flag else None
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Symmetric-memory all-gathers: NCCL only; refused elsewhere, naming the backend."""
+        """Gather outputs and reduction buffers in symmetric memory (NCCL only; refused
+        elsewhere, naming the backend). Every rank calls it: it synchronizes them."""
         actual = _backend(self._shardwise_state)
         if backend != "NCCL" or "nccl" not in actual.lower():
             raise ValueError(
                 f"set_symm_mem_for_comm({backend!r}): symmetric memory needs NCCL, but this "
                 f"module's process group uses {actual}"
             )
-        raise NotImplementedError(
-            "set_symm_mem_for_comm: shardwise's all-gathers do not use symmetric memory yet"
-        )
+        groups = self._groups(recurse=False)
+        _no_custom_comm(groups, "set_symm_mem_for_comm")
+        for g in groups:
+            g.comm_alloc = collectives.symmetric_allocator(g.shard_group, g.device)
 
     def _root_context(self, what: str) -> FSDPContext:
         ctx = self._shardwise_state.context
@@ -283,6 +291,23 @@ def _bool(what: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{what} expects a bool, got {value!r}")
     return value
+
+
+def _no_custom_comm(groups: list[ParamGroup], what: str) -> None:
+    if any(g.custom_all_gather or g.custom_reduce_scatter for g in groups):
+        raise ValueError(
+            f"{what}: this module has a custom all-gather or reduce-scatter, which allocates "
+            "its own buffers; use one or the other"
+        )
+
+
+def _no_comm_alloc(groups: list[ParamGroup], what: str) -> None:
+    if any(g.comm_alloc is not None for g in groups):
+        raise ValueError(
+            f"{what}: this module's communication buffers come from the process group or "
+            "symmetric memory (set_allocate_memory_from_process_group_for_comm / "
+            "set_symm_mem_for_comm); use one or the other"
+        )
 
 
 def _backend(state: ModuleState) -> str:

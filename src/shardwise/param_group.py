@@ -157,6 +157,8 @@ class ParamGroup:
         self.custom_all_gather: Any = None
         self.custom_reduce_scatter: Any = None
         self.reduce_scatter_group = self.shard_group  # or a separate one, to overlap gathers
+        # Where gather outputs and reduction buffers come from (None: the caching allocator).
+        self.comm_alloc: collectives.Allocator | None = None
         # reshard_after_forward=int: after forward keep 1/n of the parameters, so
         # that backward gathers over a group of n ranks only (set_post_forward_group).
         self.post_forward_group: Any = None
@@ -405,15 +407,14 @@ class ParamGroup:
             self._gather_out = self.unsharded_flat
             self.state = GroupState.GATHERING
             return
-        if len(self.params) == 1 and not self.interleaved:  # rank-major == param-major: in place
+        if len(self.params) == 1 and not self.interleaved and self.comm_alloc is None:
+            # rank-major == param-major: gathered in place
             self._allocate_unsharded()
             out = self.unsharded_flat
         else:
             # The parameters' storage is allocated only at the copy-out: a
             # gather in flight (a prefetch) holds one buffer, not two.
-            out = torch.empty(
-                self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device
-            )
+            out = self._comm_buffer(self.world * self.shard_numel, self.compute_dtype)
         if self._kept is not None:
             # What forward kept (reshard_after_forward=int): gather the rest over n ranks.
             src, group, copy_in = self._kept, self.post_forward_group, False
@@ -460,6 +461,11 @@ class ParamGroup:
         self._pending = self._gather_in = self._gather_out = self._kept = None
         self.state = GroupState.UNSHARDED
         self._install_plain()
+
+    def _comm_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.comm_alloc is not None:
+            return self.comm_alloc(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device=self.device)
 
     def _allocate_unsharded(self) -> None:
         self.unsharded_flat.untyped_storage().resize_(
