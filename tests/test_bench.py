@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,24 @@ def test_bad_input(
     assert benchmark.main(["--device", "cpu", *args, "--json", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_float8_needs_torchao_and_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    out = tmp_path / "never.json"
+    args = ["--device", "cpu", "--float8", "--json", str(out)]
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao now fails
+    assert benchmark.main(args) == 2
+    assert "--float8 needs torchao" in capsys.readouterr().err
+    fake = types.ModuleType("torchao")
+    monkeypatch.setitem(sys.modules, "torchao", fake)
+    monkeypatch.setitem(sys.modules, "torchao.float8", types.ModuleType("torchao.float8"))
+    fake.float8 = sys.modules["torchao.float8"]  # type: ignore[attr-defined]
+    assert benchmark.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "need a CUDA GPU" in err[0], err
     assert not out.exists()
 
 

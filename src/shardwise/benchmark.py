@@ -299,6 +299,13 @@ def _check(
     ):
         if value is not None and value < least:
             raise BenchUsageError(f"{flag} must be at least {least}, got {value}")
+    if args.float8:
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise BenchUsageError("--float8 needs torchao (pip install torchao)") from None
+        if not cuda:
+            raise BenchUsageError("--float8: float8 matmuls need a CUDA GPU; drop it on CPU")
     acs = _choices("--ac", args.ac, CHECKPOINTING)
     mps = _choices("--mp", args.mp, ("none", "bf16"))
     compiles = [c == "on" for c in _choices("--compile", args.compile, ("off", "on"))]
