@@ -1,11 +1,14 @@
 """Tensor subclasses that gather themselves (FSDP2's ``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather``), as torchao's float8 weights do.
 
-``Bf16Gather`` is a minimal such subclass: its piece goes over the wire in
-bf16 (half the bytes of fp32), and the module computes with the gathered
-values back in fp32. Its one-process reference rounds the same weights to
-bf16 in forward with a straight-through gradient; FSDP2, given the same
-subclass, runs beside shardwise. All checks share one set of processes.
+``Bf16Gather`` is a minimal such subclass, built like float8's: its piece,
+divided by a scale agreed over the mesh (the largest magnitude), goes over
+the wire in bf16 (half the bytes of fp32); the module computes with the
+gathered values times the scale, in fp32. The scale changes as the weights
+train, so a stale one shows. Its one-process reference rounds the same
+weights the same way in forward with a straight-through gradient; FSDP2,
+given the same subclass, runs beside shardwise. All checks share one set of
+processes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.nn.utils.parametrize as parametrize
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 import shardwise
@@ -90,38 +93,40 @@ class Bf16Gather(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):  # type: ignore[no-untyped-def]
         Bf16Gather.calls["pre"] += 1
         assert isinstance(module, nn.Module) and tuple(outer_size)[1:] == tuple(self.shape)[1:]
-        return (self._data.to(torch.bfloat16),), ("bf16",)
+        scale = self._data.abs().amax()
+        dist.all_reduce(scale, dist.ReduceOp.MAX, group=mesh.get_group())
+        return ((self._data / scale).to(torch.bfloat16),), (scale,)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):  # type: ignore[no-untyped-def]
-        assert metadata == ("bf16",)
-        (data,) = outputs
-        if out is not None:  # ``data`` was refilled in place: nothing else changes
+        (data,), (scale,) = outputs, metadata
+        if out is not None:  # ``data`` was refilled in place: only the scale is new
             assert isinstance(out, Bf16Weight) and out._bf16.data_ptr() == data.data_ptr()
             Bf16Gather.calls["post(out=)"] += 1
+            out._scale = scale
             return None
         Bf16Gather.calls["post"] += 1
-        return Bf16Weight(data, param_dtype), (data,)
+        return Bf16Weight(data, param_dtype, scale), (data,)
 
 
 class Bf16Weight(torch.Tensor):
-    """The gathered weight: bf16 data, computed with in ``dtype`` (as float8's weight
-    is fp8 data read by its matmul)."""
+    """The gathered weight: bf16 data and its scale, computed with in ``dtype`` (as
+    float8's weight is fp8 data and a scale, read by its matmul)."""
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, dtype: torch.dtype) -> Bf16Weight:
+    def __new__(cls, data: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> Bf16Weight:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, data.shape, strides=data.stride(), dtype=dtype, device=data.device
         )
 
-    def __init__(self, data: torch.Tensor, dtype: torch.dtype) -> None:
-        self._bf16 = data
+    def __init__(self, data: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> None:
+        self._bf16, self._scale = data, scale
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func in (aten.detach.default, aten.alias.default, aten.as_strided.default):
             w = args[0]
-            return cls(func(w._bf16, *args[1:], **(kwargs or {})), w.dtype)
-        upcast = lambda t: t._bf16.to(t.dtype)  # noqa: E731
+            return cls(func(w._bf16, *args[1:], **(kwargs or {})), w.dtype, w._scale)
+        upcast = lambda t: t._bf16.to(t.dtype) * t._scale  # noqa: E731
         return func(
             *pytree.tree_map_only(cls, upcast, args),
             **pytree.tree_map_only(cls, upcast, kwargs or {}),
@@ -174,10 +179,11 @@ def convert(model: Tiny, cls: type = Bf16Gather) -> Tiny:
 
 
 class RoundToBf16(nn.Module):
-    """The reference's view of a gathered weight: bf16 values, gradient passed straight."""
+    """The reference's view of a gathered weight: scaled bf16 values, gradient passed straight."""
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w + (w.to(torch.bfloat16).to(w.dtype) - w).detach()
+        scale = w.detach().abs().amax()
+        return w + ((w / scale).to(torch.bfloat16).to(w.dtype) * scale - w).detach()
 
 
 def loss_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
@@ -286,16 +292,40 @@ def check_refused(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="needs both"):
         fully_shard(model.blocks[0])
     assert model.blocks[0].fc1.weight is before
-    model = convert(Tiny())
-    before = model.blocks[0].fc1.weight
-    for kw, what in (
-        ({"offload_policy": shardwise.CPUOffloadPolicy(pin_memory=False)}, "CPU offload"),
-        ({"shard_placement_fn": lambda p: Shard(1)}, r"Shard\(1\)"),
+    model = convert(Tiny(hidden=16))
+    mixed = Tiny(hidden=16)  # fc1 hooked, fc2 plain
+    mixed.blocks[0].fc1.weight = nn.Parameter(Bf16Gather(mixed.blocks[0].fc1.weight.detach()))
+
+    def plain_on_dim_1(p: nn.Parameter) -> Shard:  # the hooked weight itself stays on dim 0
+        return Shard(0) if isinstance(p, Bf16Gather) or p.dim() == 1 else Shard(1)
+
+    for m, kw, what in (
+        (model, {"offload_policy": shardwise.CPUOffloadPolicy(pin_memory=False)}, "CPU offload"),
+        (model, {"shard_placement_fn": lambda p: Shard(1)}, r"Shard\(1\)"),
+        (mixed, {"shard_placement_fn": plain_on_dim_1}, r"Shard\(1\) from shard_placement_fn in"),
     ):
+        block = m.blocks[0]
+        before = block.fc1.weight
         with pytest.raises(ValueError, match=what):
-            fully_shard(model.blocks[0], **kw)
-        assert model.blocks[0].fc1.weight is before
-        assert not isinstance(model.blocks[0], shardwise.FSDPModule)
+            fully_shard(block, **kw)
+        assert block.fc1.weight is before and not isinstance(block.fc2.weight, DTensor)
+        assert not isinstance(block, shardwise.FSDPModule)
+    # One row over two ranks: the last rank would call the hooks on an empty piece.
+    one_row = nn.Linear(8, 1, bias=False)
+    one_row.weight = nn.Parameter(Bf16Gather(one_row.weight.detach()))
+    with pytest.raises(ValueError, match="1 rows over 2 ranks"):
+        fully_shard(one_row)
+    assert not isinstance(one_row.weight, DTensor)
+    # A tensor parallel weight whose local piece has the hooks.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    tp = nn.Linear(8, 4, bias=False)
+    local = Bf16Gather(tp.weight.detach())
+    tp.weight = nn.Parameter(DTensor.from_local(local, mesh["tp"], [Replicate()], run_check=False))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        fully_shard(tp, mesh=mesh["dp"])
+    assert tp.weight.device_mesh == mesh["tp"]
 
 
 CHECKS = {

@@ -205,6 +205,7 @@ def symmetric_allocator(group: dist.ProcessGroup, device: torch.device) -> Alloc
         symm_mem.rendezvous(t, group=group.group_name)
         return t
 
+    allocate.symmetric = True  # type: ignore[attr-defined]
     return allocate
 
 

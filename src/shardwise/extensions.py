@@ -34,6 +34,7 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import collectives
 from .tensor_parallel import contiguous_stride
@@ -60,22 +61,34 @@ def check(
     named: list[Any], dims: list[int], offload: Any, post_forward_size: int, mesh: Any
 ) -> None:
     """Refuse, before anything changes, what such parameters cannot be combined with yet."""
-    for (fqn, p, _), dim in zip(named, dims):
-        if not has_hooks(p):
-            continue
-        Extension(fqn, p)  # checks that it can be rebuilt around a shard
+    world = mesh.size(mesh.ndim - 1)
+    hooked = []
+    for fqn, p, _ in named:
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if has_hooks(local):
+            hooked.append((fqn, p))
+    for fqn, p in hooked:
+        rows = p.shape[0]
+        chunk = -(-rows // world)
+        split = next((d for d in dims if d != 0), 0)  # any parameter of the group
         why = (
-            "CPU offload"
+            "tensor parallelism"
+            if isinstance(p, DTensor)
+            else "CPU offload"
             if offload is not None
             else "reshard_after_forward=<int>"
             if post_forward_size
-            else f"Shard({dim}) from shard_placement_fn"
-            if dim != 0
+            else f"Shard({split}) from shard_placement_fn in the same fully_shard call"
+            if split
             else "an HSDP mesh without mesh_dim_names"
             if mesh.ndim == 2 and not mesh.mesh_dim_names
+            else f"{rows} rows over {world} ranks, which leaves the last rank(s) no rows"
+            if (world - 1) * chunk >= rows and world > 1
             else None
         )
-        if why is not None:
+        if why is None:
+            Extension(fqn, p)  # checks that it can be rebuilt around a shard
+        else:
             raise ValueError(
                 f"parameter {fqn!r} is a {type(p).__name__} that gathers itself "
                 f"(fsdp_pre_all_gather); shardwise does not combine that with {why} yet"
@@ -96,7 +109,7 @@ class Extension:
         self.metadata: Any = None
         self.outputs: list[torch.Tensor] = []  # gathered inputs, one per pre() output
         self.storages: list[tuple[torch.UntypedStorage, int]] = []  # freed at reshard
-        self.unsharded: torch.Tensor | None = None  # what post() built, kept across gathers
+        self.made = False  # post() built the unsharded form; later gathers refill it
         self._old_signature: bool | None = None
 
     def wrap(self, view: torch.Tensor) -> torch.Tensor:
@@ -107,7 +120,7 @@ class Extension:
 
     def reset(self) -> None:
         """Forget gathered tensors (the flat shard was rebuilt)."""
-        self.outputs, self.storages, self.unsharded = [], [], None
+        self.outputs, self.storages, self.made = [], [], False
 
     def pre(self, local: torch.Tensor, group: ParamGroup, sp: ShardedParam) -> list[torch.Tensor]:
         if self._old_signature is None:
@@ -132,11 +145,14 @@ class Extension:
     def post(self, local: torch.Tensor, group: ParamGroup, sp: ShardedParam) -> torch.Tensor:
         outs = tuple(self.outputs)
         dtype = group.compute_dtype
-        if self.unsharded is not None:
-            local.fsdp_post_all_gather(outs, self.metadata, dtype, out=self.unsharded)  # type: ignore[attr-defined]
+        if self.made:
+            # The installed tensor, as FSDP2 passes it: with uneven pieces it is a
+            # view of what post() first made, and metadata (a float8 scale) set on
+            # that would not reach it.
+            local.fsdp_post_all_gather(outs, self.metadata, dtype, out=sp.unsharded)  # type: ignore[attr-defined]
             return sp.unsharded
         made, inners = local.fsdp_post_all_gather(outs, self.metadata, dtype)  # type: ignore[attr-defined]
-        self.unsharded = made
+        self.made = True
         if tuple(made.shape) != tuple(sp.shape):  # padding rows of an uneven split
             made = torch.as_strided(made, sp.shape, contiguous_stride(sp.shape), 0)
         seen: set[int] = set()
@@ -185,11 +201,17 @@ class PackedGather:
             slots = []
             for t in ins:
                 row = t.shape[1:]
-                if t.dim() == 0 or t.shape[0] != sp.local_size or list(row) != list(sp.shape[1:]):
+                # This rank's rows, or padded to ``chunk`` rows (as FSDP2 asks of hooks).
+                if (
+                    t.dim() == 0
+                    or t.shape[0] not in (sp.local_size, sp.chunk)
+                    or list(row) != list(sp.shape[1:])
+                ):
                     raise ValueError(
                         f"{sp.fqn}: fsdp_pre_all_gather returned a tensor of shape "
                         f"{tuple(t.shape)}; shardwise gathers pieces split along dim 0, shaped "
-                        f"like this rank's piece {tuple(sp.local_shape)} in any dtype"
+                        f"like this rank's piece {tuple(sp.local_shape)} (or padded to "
+                        f"{sp.chunk} rows) in any dtype"
                     )
                 slot = sp.chunk * sp.after * t.element_size()
                 slots.append((offset, slot, torch.Size([sp.chunk, *row]), t.dtype))
@@ -201,8 +223,10 @@ class PackedGather:
         """Run the ``pre`` hooks, pack, and start the all-gather: (send, out, pending).
 
         Beside compute, as plain gathers are (collectives.side_stream), once
-        the layout is known: the buffers are allocated first, on the compute
-        stream. The first gather runs in order, since it fixes the layout.
+        the layout is known: the send and receive buffers are allocated first,
+        on the compute stream; the hooks' own temporaries come from the side
+        stream, as in FSDP2's copy-in. The first gather runs in order, since
+        it fixes the layout.
         """
         first = self.layout is None
         if first:
@@ -266,7 +290,7 @@ class PackedGather:
             ext.refill()
             # Refilled in place under autograd's nose, as plain parameters are
             # (param_group.py): the saved tensors must not look modified.
-            made = () if ext.unsharded is None else (ext.unsharded, sp.unsharded)
+            made = (sp.unsharded,) if ext.made else ()
             with torch.autograd._unsafe_preserve_version_counter((*made, *ext.outputs)):
                 for t, (off, slot, _, dt) in zip(ext.outputs, slots):
                     t.view(group.world, -1).copy_(rows[:, off : off + slot].view(dt))

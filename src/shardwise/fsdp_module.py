@@ -223,7 +223,16 @@ class FSDPModule:
             raise TypeError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
-        for s in self._sharded_states(recurse):
+        states = self._sharded_states(recurse)
+        if max_input_buffers > 1 and any(
+            getattr(s.group.comm_alloc, "symmetric", False) for s in states if s.group is not None
+        ):
+            raise ValueError(
+                f"set_reduce_scatter_max_input_buffers({max_input_buffers}): this module's "
+                "reduction buffers are in symmetric memory (set_symm_mem_for_comm), whose pool "
+                "more reductions in flight could exhaust; keep 1"
+            )
+        for s in states:
             s.max_reduces_in_flight = max_input_buffers
 
     def set_separate_reduce_scatter_group(
@@ -238,7 +247,8 @@ class FSDPModule:
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Gather outputs and reduction buffers from the process group's own allocator
         (NCCL: registered memory, zero-copy over NVLink SHARP). Refused, naming the
-        backend, where it has none (gloo), and beside a custom all-gather/reduce-scatter."""
+        backend, where it has none (gloo), and beside a custom all-gather/reduce-scatter.
+        Enabling it is a collective over the shard group (NCCL's communicator is created)."""
         flag = _bool("set_allocate_memory_from_process_group_for_comm", enable)
         groups = self._groups(recurse=False)
         if flag:
@@ -251,7 +261,14 @@ class FSDPModule:
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Gather outputs and reduction buffers in symmetric memory (NCCL only; refused
-        elsewhere, naming the backend). Every rank calls it: it synchronizes them."""
+        elsewhere, naming the backend, and with more than one reduction in flight, as in
+        FSDP2). Every rank calls it: it is a collective over the shard group."""
+        if self._shardwise_state.max_reduces_in_flight > 1:
+            raise ValueError(
+                "set_symm_mem_for_comm: set_reduce_scatter_max_input_buffers is "
+                f"{self._shardwise_state.max_reduces_in_flight}; symmetric memory allows one "
+                "reduction in flight (its pool is not sized for more)"
+            )
         actual = _backend(self._shardwise_state)
         if backend != "NCCL" or "nccl" not in actual.lower():
             raise ValueError(
