@@ -233,7 +233,7 @@ class PackedGather:
             send = self._pack(group, self.inputs(group))
         else:
             send = torch.zeros(self.bytes_per_rank, dtype=torch.uint8, device=group.device)
-        out = group._comm_buffer(group.world * send.numel(), torch.uint8)
+        out = group.comm_buffer(group.world * send.numel(), torch.uint8)
         if group.world == 1:  # nothing to gather: the packed bytes are the output
             if not first:
                 self._pack(group, self.inputs(group), send)

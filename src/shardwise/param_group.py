@@ -414,7 +414,7 @@ class ParamGroup:
         else:
             # The parameters' storage is allocated only at the copy-out: a
             # gather in flight (a prefetch) holds one buffer, not two.
-            out = self._comm_buffer(self.world * self.shard_numel, self.compute_dtype)
+            out = self.comm_buffer(self.world * self.shard_numel, self.compute_dtype)
         if self._kept is not None:
             # What forward kept (reshard_after_forward=int): gather the rest over n ranks.
             src, group, copy_in = self._kept, self.post_forward_group, False
@@ -462,7 +462,7 @@ class ParamGroup:
         self.state = GroupState.UNSHARDED
         self._install_plain()
 
-    def _comm_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def comm_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.comm_alloc is not None:
             return self.comm_alloc(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)

@@ -60,12 +60,12 @@ class ReduceJob:
         if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
             filled = [t.to(g.reduce_dtype) for t in filled]
         numel = sum(sp.slot for sp in self.members)
-        self.out = g._comm_buffer(numel, g.reduce_dtype)
+        self.out = g.comm_buffer(numel, g.reduce_dtype)
         if g.world == 1:
             torch._chunk_cat(filled, dim=0, num_chunks=1, out=self.out.view(1, -1))
             self._rs_in = None
         else:
-            self._rs_in = g._comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
+            self._rs_in = g.comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
             # The copy-in overlaps the backward compute queued next. The gradients
             # it reads may be freed as soon as it has run, not when the reduction
             # is waited for: record_stream tells the allocator so.
