@@ -88,7 +88,7 @@ def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distrib
     from torch.distributed.device_mesh import init_device_mesh
 
     from .. import checkpoint
-    from ..models.gpt import GPT, GPTConfig, generate, shard_model
+    from ..models.gpt import GPT, GPTConfig, shard_model
 
     if distributed:
         w = init_worker()
@@ -113,22 +113,9 @@ def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distrib
 
     prompt = args.prompt.encode() or b"\n"
     idx = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    # The same seed on every rank: every rank samples the same bytes, so the
-    # sharded forwards stay in lockstep without sending tokens around.
-    gen = torch.Generator().manual_seed(args.seed)
-    out = generate(
-        model,
-        idx,
-        args.tokens,
-        seq_len=cfg.seq_len,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        generator=gen,
-    )
+    out = _generate(model, idx, cfg.seq_len, args)
     if is_main:
-        step = extra.get("step", "?")
-        print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
-        print(bytes(out[0].tolist()).decode("utf-8", errors="replace"), flush=True)
+        _print(bytes(out[0].tolist()).decode("utf-8", errors="replace"), config, extra, ckpt)
     if distributed:
         dist.destroy_process_group()
     return 0
@@ -145,7 +132,6 @@ def _sample_hf(
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..models.gpt import generate
     from ..models.hf import context_length, logits
     from .finetune import load_run
 
@@ -161,18 +147,34 @@ def _sample_hf(
         start = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         prompt = [start]
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
+    seq_len = context_length(config["model_config"]) or config["seq_len"]
+    out = _generate(lambda ids: logits(hf.model, ids), idx, seq_len, args)
+    if is_main:
+        text = tokenizer.decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True)
+        _print(args.prompt + text, config, extra, ckpt)
+
+
+def _generate(forward: Any, idx: Any, seq_len: int, args: argparse.Namespace) -> Any:
+    """``args.tokens`` more tokens after ``idx``. The same seed on every rank: every
+    rank samples the same tokens, so sharded forwards stay in lockstep without
+    sending tokens around."""
+    import torch
+
+    from ..models.gpt import generate
+
     gen = torch.Generator().manual_seed(args.seed)
-    out = generate(
-        lambda ids: logits(hf.model, ids),  # type: ignore[arg-type]
+    return generate(
+        forward,
         idx,
         args.tokens,
-        seq_len=context_length(config["model_config"]) or config["seq_len"],
+        seq_len=seq_len,
         temperature=args.temperature,
         top_k=args.top_k,
         generator=gen,
     )
-    if is_main:
-        step = extra.get("step", "?")
-        print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
-        text = tokenizer.decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True)
-        print(args.prompt + text, flush=True)
+
+
+def _print(text: str, config: dict[str, Any], extra: dict[str, Any], ckpt: Any) -> None:
+    step = extra.get("step", "?")
+    print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
+    print(text, flush=True)
