@@ -389,7 +389,7 @@ def bad_input_worker(rank: int, world: int) -> dict[str, str]:
         lambda: fully_shard(untouched, shard_placement_fn=lambda p: Shard(p.dim() - 1)),
     )
     expect("offload", TypeError, lambda: fully_shard(untouched, offload_policy="cpu"))
-    expect("dp_mesh_dims", ValueError, lambda: fully_shard(untouched, dp_mesh_dims=("dp",)))
+    expect("dp_mesh_dims", TypeError, lambda: fully_shard(untouched, dp_mesh_dims=("dp",)))
     expect("share_comm_ctx", ValueError, lambda: shardwise.share_comm_ctx([untouched]))
     for m in (untouched, one):
         assert not isinstance(m, FSDPModule) and not any(
@@ -421,7 +421,7 @@ def test_bad_input_gets_one_clear_error_and_changes_nothing() -> None:
     assert "Shard(2)" in msgs["placement-dim"] and "(3, 3)" in msgs["placement-dim"]
     assert "evenly over 2 ranks" in msgs["placement-uneven"]
     assert "CPUOffloadPolicy" in msgs["offload"] and "str" in msgs["offload"]
-    assert "mesh['dp']" in msgs["dp_mesh_dims"]
+    assert "DataParallelMeshDims" in msgs["dp_mesh_dims"] and "tuple" in msgs["dp_mesh_dims"]
     assert "Linear" in msgs["share_comm_ctx"]
 
 

@@ -1,5 +1,6 @@
 """FSDP2's other ``fully_shard`` keywords: a list of modules, an int
-``reshard_after_forward``, ``shard_placement_fn``; each against one process.
+``reshard_after_forward``, ``shard_placement_fn``, ``dp_mesh_dims``; each
+against one process (and FSDP2 where it runs).
 
 All checks of one world size run in one set of processes (the module
 fixture); each test reads its own check's result.
@@ -8,6 +9,7 @@ fixture); each test reads its own check's result.
 from __future__ import annotations
 
 import copy
+import re
 import tempfile
 from collections.abc import Callable
 
@@ -15,7 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardwise
 from dist_utils import run_distributed, run_named_checks
@@ -345,6 +349,196 @@ def check_compiled_blocks(rank: int, world: int) -> None:
         step_and_compare(model, opt, ref, ref_opt, idx)
 
 
+# ---- dp_mesh_dims: parameters already DTensors on the full SPMD mesh ------------------------
+
+
+class SpmdBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 16)
+        self.fc2 = nn.Linear(16, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class SpmdNet(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SpmdBlock(d), SpmdBlock(d)])
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+# Column-parallel fc1, row-parallel fc2 on a "tp" mesh dim; everything else replicated.
+TP_PLAN = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1)}
+
+
+def distribute_params(model: nn.Module, mesh, tp_dim: int | None) -> None:
+    """Every parameter a DTensor on ``mesh``: Replicate, but TP_PLAN's on dim ``tp_dim``."""
+    for mod_name, mod in model.named_modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            placements: list = [Replicate()] * mesh.ndim
+            key = f"{mod_name.rsplit('.', 1)[-1]}.{name}"
+            if tp_dim is not None and key in TP_PLAN:
+                placements[tp_dim] = TP_PLAN[key]
+            mod.register_parameter(
+                name, nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
+            )
+
+
+def spmd_model(impl, mesh, dims, d: int, tp_dim: int | None, seed: int = 0) -> SpmdNet:
+    torch.manual_seed(seed)
+    model = SpmdNet(d)
+    distribute_params(model, mesh, tp_dim)
+    for block in model.blocks:
+        impl(block, mesh=mesh, dp_mesh_dims=dims)
+    impl(model, mesh=mesh, dp_mesh_dims=dims)
+    return model
+
+
+def spmd_run(impl, clip, mesh, dims, d: int, tp_dim: int | None, batch: list, steps: int = 3):
+    """Three clipped AdamW steps of SpmdNet sharded by ``impl`` with ``dp_mesh_dims=dims``;
+    each rank's loss is the mean over its own rows. Returns (placements, losses, model)."""
+    model = spmd_model(impl, mesh, dims, d, tp_dim)
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+    torch.manual_seed(0)
+    for (name, p), q in zip(model.named_parameters(), SpmdNet(d).parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), msg=name)  # pieces line up
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8, 3, d, generator=torch.Generator().manual_seed(step))
+        out = model(distribute_tensor(x, mesh, batch))
+        loss = out.redistribute(mesh, batch).to_local().square().mean()
+        loss.backward()
+        clip(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    return placements, losses, model
+
+
+def spmd_parity(mesh, dims, d: int, tp_dim: int | None, batch: list) -> SpmdNet:
+    """shardwise against one process on the whole batch, and against FSDP2 side by side."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    ours = spmd_run(fully_shard, shardwise.clip_grad_norm_, mesh, dims, d, tp_dim, batch)
+    torch.manual_seed(0)
+    ref = SpmdNet(d)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step, loss in enumerate(ours[1]):
+        x = torch.randn(8, 3, d, generator=torch.Generator().manual_seed(step))
+        want = ref(x).square().mean()
+        want.backward()
+        torch_clip(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(loss, want.detach(), atol=1e-5, rtol=1e-5)
+    for (name, q), p in zip(ref.named_parameters(), ours[2].parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    theirs = spmd_run(torch_fully_shard, torch_clip, mesh, dims, d, tp_dim, batch)
+    assert ours[0] == theirs[0], (ours[0], theirs[0])
+    torch.testing.assert_close(torch.stack(ours[1]), torch.stack(theirs[1]), atol=1e-6, rtol=1e-6)
+    return ours[2]
+
+
+def check_spmd_fsdp_x_tp(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dims = DataParallelMeshDims(shard="dp")
+    # Width 7: norms and fc2's rows split unevenly over dp; fc1's rows go over tp, then dp.
+    trained = spmd_parity(mesh, dims, 7, 1, [Shard(0), Replicate()])
+    # DCP round trip into a differently initialized model laid out the same way.
+    import torch.distributed.checkpoint as dcp
+
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(trained.state_dict(), checkpoint_id=path[0])
+    fresh = spmd_model(fully_shard, mesh, dims, 7, 1, seed=1)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=path[0])
+    fresh.load_state_dict(sd)
+    for (name, a), b in zip(fresh.named_parameters(), trained.parameters()):
+        assert a.placements == b.placements, name
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), msg=name)
+
+
+def check_spmd_hsdp(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    dims = DataParallelMeshDims(shard="shard", replicate="rep")
+    spmd_parity(mesh, dims, 7, None, [Shard(0), Shard(0)])
+
+
+def check_spmd_flattened(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    dims, batch = DataParallelMeshDims(shard=("a", "b")), [Shard(0), Shard(0)]
+    trained = spmd_parity(mesh, dims, 8, None, batch)
+
+    # FSDP2 refuses an int reshard_after_forward here; shardwise trains the same.
+    def by_pairs(module: nn.Module, **kw) -> None:
+        fully_shard(module, reshard_after_forward=2, **kw)
+
+    again = spmd_run(by_pairs, shardwise.clip_grad_norm_, mesh, dims, 8, None, batch)[2]
+    for (name, a), b in zip(again.named_parameters(), trained.parameters()):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), msg=name)
+
+
+def check_spmd_refusals(rank: int, world: int) -> None:
+    """Bad dp_mesh_dims input: one clear error each, the model left as it was."""
+    from torch.distributed.fsdp import DataParallelMeshDims as Dims
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    unnamed = init_device_mesh("cpu", (2, 2))
+
+    def fresh(d: int = 8, placed: bool = True) -> SpmdNet:
+        torch.manual_seed(0)
+        m = SpmdNet(d)
+        if placed:
+            distribute_params(m, mesh, 1)
+        return m
+
+    dp_sharded = fresh()
+    dp_sharded.head.weight = nn.Parameter(distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)] * 2))
+    cases = {
+        "plain tensor": (fresh(placed=False), mesh, Dims(shard="dp")),
+        "Replicate() there": (dp_sharded, mesh, Dims(shard="dp")),
+        "not a dimension of the mesh": (fresh(), mesh, Dims(shard="fsdp")),
+        "without shard": (fresh(), mesh, Dims(replicate="dp")),
+        "in the mesh's order": (fresh(), mesh, Dims(shard=("tp", "dp"))),
+        "must come before the shard dims": (fresh(), mesh, Dims(shard="dp", replicate="tp")),
+        "mesh_dim_names": (fresh(), unnamed, Dims(shard="dp")),
+        # Width 7 over the flattened (dp, tp): the norms cannot split evenly.
+        "make it a multiple of 4": (fresh(7, placed=False), None, Dims(shard=("dp", "tp"))),
+    }
+    for want, (model, m, dims) in cases.items():
+        if m is None:  # all-replicated parameters for the flattened case
+            m = mesh
+            for mod in model.modules():
+                for name, p in list(mod.named_parameters(recurse=False)):
+                    mod.register_parameter(
+                        name, nn.Parameter(distribute_tensor(p.detach(), m, [Replicate()] * 2))
+                    )
+        before = {n: p for n, p in model.named_parameters()}
+        with pytest.raises(ValueError, match=re.escape(want)):
+            fully_shard(model, mesh=m, dp_mesh_dims=dims)
+        assert not isinstance(model, shardwise.FSDPModule), want
+        assert {n: p for n, p in model.named_parameters()} == before, want
+    with pytest.raises(TypeError, match="DataParallelMeshDims"):
+        fully_shard(fresh(), mesh=mesh, dp_mesh_dims=("dp",))
+
+
 CHECKS: dict[str, Callable[[int, int], None]] = {
     "compiled blocks": check_compiled_blocks,
     "offload_policy": offload_worker,
@@ -354,6 +548,10 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "shard_placement_fn": check_shard_placement_fn,
     "reshard_after_forward=int": check_reshard_to_smaller_group,
     "reshard_after_forward=int: 1 and world": check_reshard_int_edges,
+    "dp_mesh_dims: FSDP x TP": check_spmd_fsdp_x_tp,
+    "dp_mesh_dims: HSDP": check_spmd_hsdp,
+    "dp_mesh_dims: flattened shard dims": check_spmd_flattened,
+    "dp_mesh_dims: bad input": check_spmd_refusals,
 }
 W2 = {
     "list of modules",
@@ -364,7 +562,16 @@ W2 = {
     "compiled blocks",
 }
 # An int needs a group size strictly between 1 and the world: 4 ranks.
-W4 = {"shard_placement_fn", "reshard_after_forward=int", "reshard_after_forward=int: 1 and world"}
+# dp_mesh_dims: a 2 x 2 mesh.
+W4 = {
+    "shard_placement_fn",
+    "reshard_after_forward=int",
+    "reshard_after_forward=int: 1 and world",
+    "dp_mesh_dims: FSDP x TP",
+    "dp_mesh_dims: HSDP",
+    "dp_mesh_dims: flattened shard dims",
+    "dp_mesh_dims: bad input",
+}
 
 
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:

@@ -25,7 +25,7 @@ from .module import ModuleState, outside_compile
 from .offload import OffloadPolicy, check_offload_policy
 from .param_group import ParamGroup
 from .precision import MixedPrecisionPolicy
-from .tensor_parallel import TPLayout, compose_tp
+from .tensor_parallel import TPLayout, compose_spmd, compose_tp, spmd_mesh
 
 # Original parameter objects already taken by some fully_shard call: a second
 # owner would silently untie them.
@@ -93,6 +93,13 @@ def fully_shard(
     DTensors on the 2-D mesh; in forward the TP modules see their usual
     tp-mesh DTensors. docs/design.md says how the placements compose.
 
+    ``dp_mesh_dims`` (torch's ``DataParallelMeshDims``): ``mesh`` is the full
+    SPMD mesh and every parameter a DTensor on it, ``Replicate()`` on the
+    named data-parallel dims; shardwise shards over the ``shard`` dims
+    (several are flattened) and, given ``replicate``, all-reduces over those
+    (HSDP). As in FSDP2, the gradient each rank holds on the dp dims (a
+    ``Partial`` contribution, or a replicated value) is averaged over them.
+
     ``reshard_after_forward``: as FSDP2's, ``None`` (the default) reshards
     after forward every module but the root, whose backward runs first;
     ``True`` reshards the root too; ``False`` keeps a module gathered until its
@@ -112,18 +119,17 @@ def fully_shard(
     backward end and raises ``LifecycleError`` on a violation (check.py).
     """
     modules = _as_modules(module)
-    if dp_mesh_dims is not None:
-        raise ValueError(
-            "dp_mesh_dims (parameters already DTensors on the full SPMD mesh) is not supported "
-            "by shardwise yet; make them DTensors on the tp sub-mesh (parallelize_module with "
-            "mesh['tp']) and pass mesh=mesh['dp'] (docs/design.md, tensor parallel)"
-        )
     if not (reshard_after_forward is None or isinstance(reshard_after_forward, (bool, int))):
         raise TypeError(
             "reshard_after_forward must be True, False, None or an int (the group size to "
             f"reshard to), got {reshard_after_forward!r}"
         )
     mesh = mesh if mesh is not None else default_mesh()
+    spmd = None
+    if dp_mesh_dims is not None:
+        # Checked before anything changes, except that flattening names creates groups.
+        spmd = spmd_mesh(mesh, dp_mesh_dims)
+        mesh = spmd.dp_mesh
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard supports a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); "
@@ -138,8 +144,15 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     named = _owned_params(modules, ignored)
     _check_params(modules[0], named, mesh.device_type)
-    tp = _tp_layouts(named, mesh)
-    dims = _shard_dims(named, mesh, shard_placement_fn, tp)
+    if spmd is None:
+        tp = _tp_layouts(named, mesh)
+        dims = _shard_dims(named, mesh, shard_placement_fn, tp)
+    else:
+        dims = _shard_dims(named, mesh, shard_placement_fn, None)
+        tp = [
+            compose_spmd(fqn, p, spmd, dims[i] if dims else 0)
+            for i, (fqn, p, _) in enumerate(named)
+        ]
     extensions.check(named, dims or [0] * len(named), offload, post_forward_size, mesh)
 
     if check is None:

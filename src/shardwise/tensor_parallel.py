@@ -1,22 +1,25 @@
-"""Tensor parallel x FSDP: how a TP parameter's split composes with ours.
+"""DTensor parameters x FSDP: how a parameter's own split composes with ours.
 
-Parameters that torch's ``parallelize_module`` made DTensors on a 1-D ``tp``
-mesh enter a ``ParamGroup`` as their TP-local pieces (param_group.py shards
-those over dp like any parameter). ``compose_tp`` validates such a parameter
-against the FSDP mesh and returns a ``TPLayout``: the placements of the
-sharded DTensor on the (dp, tp) mesh, and how to wrap a gathered TP-local
-piece back into the tp-mesh DTensor the TP module expects. docs/design.md
-has the placement table.
+Two ways in. Parameters that torch's ``parallelize_module`` made DTensors on
+a 1-D ``tp`` mesh (``compose_tp``), and, with ``dp_mesh_dims``, parameters
+that are DTensors on the full SPMD mesh, replicated on its data-parallel
+dimensions (``spmd_mesh``, ``compose_spmd``). Either way the parameter enters
+a ``ParamGroup`` as its DTensor-local piece (param_group.py shards that over
+dp like any parameter), and a ``TPLayout`` says how the sharded DTensor is
+placed and how to wrap a gathered local piece back into the DTensor the
+model computes with. docs/design.md has the placement table.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
@@ -29,20 +32,32 @@ class TPLayout:
     TP-local piece as the parameter and uses this only to make DTensors.
     """
 
-    mesh: DeviceMesh  # the 1-D tp mesh the parameter came on
-    placements: tuple[Placement, ...]  # its placement there: (Shard(d),) or (Replicate(),)
+    mesh: DeviceMesh  # the mesh the parameter came on: 1-D tp, or the full SPMD mesh
+    placements: tuple[Placement, ...]  # its placements there, e.g. (Shard(d),)
     shape: torch.Size  # the full parameter
     stride: tuple[int, ...]
     sharded_mesh: DeviceMesh  # (dp, tp), or (replicate, shard, tp): the sharded parameter's
     sharded_placements: tuple[Placement, ...]
+    dp_dims: frozenset[int] = frozenset()  # SPMD: the data-parallel dims of ``mesh``
+
+    @property
+    def splits(self) -> bool:
+        """Whether a placement other than our own splits the parameter."""
+        return any(
+            isinstance(pl, Shard) for i, pl in enumerate(self.placements) if i not in self.dp_dims
+        )
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        """The gathered TP-local piece as the tp-mesh DTensor TP modules expect.
+        """The gathered local piece as the DTensor the model computes with.
 
-        ``from_local`` is differentiable: autograd reaches ``_Unsharded`` through
-        it, and its backward hands back the local gradient in this placement
-        (a TP ``Partial`` gradient is all-reduced over tp there, as in plain TP).
+        Differentiable: autograd reaches ``_Unsharded`` through it. Its backward
+        hands back the local gradient in this placement (a TP ``Partial``
+        gradient is all-reduced over tp there, as in plain TP), except on the
+        data-parallel dims of an SPMD mesh, where whatever each rank holds is
+        what our reduce-scatter reduces (``_KeepDataParallel``).
         """
+        if self.dp_dims:
+            return _KeepDataParallel.apply(local, self)
         return DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
@@ -53,6 +68,46 @@ class TPLayout:
             self.mesh, self.placements, TensorMeta(self.shape, self.stride, local.dtype)
         )
         return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+class _KeepDataParallel(torch.autograd.Function):
+    """Local piece -> DTensor on the SPMD mesh; its gradient back, left as it is on dp.
+
+    A gradient that DTensor marks ``Partial`` on a data-parallel dim holds this
+    rank's contribution; ``from_local``'s backward would all-reduce it over dp,
+    and the reduce-scatter that follows would count every rank's share again.
+    So, as FSDP2 does: other dims are redistributed to the parameter's
+    placements, and on dp dims each rank's local gradient (its contribution,
+    or a replicated value) goes to the reduce-scatter, which averages it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, layout: TPLayout) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout = layout
+        spec = DTensorSpec(
+            layout.mesh, layout.placements, TensorMeta(layout.shape, layout.stride, local.dtype)
+        )
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        layout: TPLayout = ctx.layout
+        if not isinstance(grad, DTensor):  # already local (a plain-tensor use)
+            return grad, None
+        target = tuple(
+            _dp_kept(got) if i in layout.dp_dims else want
+            for i, (got, want) in enumerate(zip(grad.placements, layout.placements))
+        )
+        if target != tuple(grad.placements):
+            grad = grad.redistribute(grad.device_mesh, target)
+        return grad._local_tensor, None  # type: ignore[attr-defined]
+
+
+def _dp_kept(pl: Placement) -> Placement:
+    """What a gradient may stay as on a dp dim: a pending sum, or replicated."""
+    if isinstance(pl, Partial) and pl.reduce_op == "sum":
+        return pl
+    return Replicate()
 
 
 def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -137,6 +192,179 @@ def compose_tp(fqn: str, p: DTensor, mesh: DeviceMesh) -> TPLayout:
         contiguous_stride(p.shape),
         root[(*dp_names, tp_name)],
         (*replicate, dp_placement, pl),
+    )
+
+
+@dataclass(frozen=True)
+class SpmdMesh:
+    """A full SPMD mesh and which of its dims are data parallel (``dp_mesh_dims``)."""
+
+    mesh: DeviceMesh
+    shard: tuple[int, ...]  # dims FSDP shards over (several: flattened, in mesh order)
+    replicate: tuple[int, ...]  # HSDP's replicate dims
+    dp_mesh: DeviceMesh  # what the group runs on: (shard,) or (replicate, shard), 1 dim each
+    # The sharded DTensors' mesh: the SPMD mesh, or, when shard dims are flattened,
+    # the SPMD mesh with dp_mesh in their place (as FSDP2 lays it out).
+    sharded_mesh: DeviceMesh
+
+    def fold(self, placements: list[Placement]) -> tuple[Placement, ...]:
+        """Per-dim placements of ``mesh`` as placements on ``sharded_mesh``."""
+        if len(self.shard) == 1:
+            return tuple(placements)
+        out: list[Placement] = []
+        for i, pl in enumerate(placements):
+            if i == self.shard[0]:
+                out.extend([Replicate(), pl] if self.replicate else [pl])
+            elif i not in self.shard and i not in self.replicate:
+                out.append(pl)
+        return tuple(out)
+
+
+def spmd_mesh(mesh: Any, dims: Any) -> SpmdMesh:
+    """Validate ``fully_shard(mesh=..., dp_mesh_dims=...)`` and build the data-parallel mesh.
+
+    ``dims`` is torch's ``DataParallelMeshDims`` (or anything with its
+    ``shard``/``replicate`` fields: a name or a tuple of names each). Several
+    names are flattened into one dim; they must be adjacent and in mesh order,
+    so that the flattened rank order is the order DTensor lays pieces out in.
+    Raises ``ValueError`` naming what is wrong; creates process groups only
+    after every check passed (flattening does).
+    """
+    if not hasattr(dims, "shard") or not hasattr(dims, "replicate"):
+        raise TypeError(
+            "dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims (fields shard "
+            f"and replicate), got {type(dims).__name__}"
+        )
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if not isinstance(mesh, DeviceMesh) or not names:
+        raise ValueError(
+            "dp_mesh_dims needs mesh= the full SPMD DeviceMesh with mesh_dim_names, e.g. "
+            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))"
+        )
+
+    def dims_of(field: str) -> tuple[int, ...]:
+        v = getattr(dims, field)
+        got = () if v is None else (v,) if isinstance(v, str) else tuple(v)
+        for n in got:
+            if n not in names:
+                raise ValueError(
+                    f"dp_mesh_dims.{field} names {n!r}, which is not a dimension of the mesh "
+                    f"{names}"
+                )
+        idx = tuple(names.index(n) for n in got)
+        if len(set(idx)) < len(idx) or (
+            idx and list(idx) != list(range(idx[0], idx[0] + len(idx)))
+        ):
+            raise ValueError(
+                f"dp_mesh_dims.{field}={v!r}: several dimensions are flattened into one, so "
+                f"they must be distinct, adjacent and in the mesh's order {names}"
+            )
+        return idx
+
+    shard, replicate = dims_of("shard"), dims_of("replicate")
+    if not shard:
+        raise ValueError(
+            "dp_mesh_dims without shard (replicate only: plain data parallelism, no sharding) "
+            "is not supported by shardwise; name the dimension to shard over, e.g. "
+            "DataParallelMeshDims(shard='dp'), or use torch's replicate() for DDP"
+        )
+    if set(shard) & set(replicate):
+        raise ValueError(f"dp_mesh_dims names {names[shard[0]]!r} as both shard and replicate")
+    if replicate and replicate[-1] > shard[0]:
+        raise ValueError(
+            f"dp_mesh_dims: the replicate dims {tuple(names[i] for i in replicate)} must come "
+            f"before the shard dims {tuple(names[i] for i in shard)} in the mesh {names} (HSDP's "
+            "(replicate, shard) order)"
+        )
+
+    def one_dim(idx: tuple[int, ...]) -> DeviceMesh:
+        sub = mesh[tuple(names[i] for i in idx)]
+        return sub if len(idx) == 1 else sub._flatten("_".join(names[i] for i in idx))
+
+    if not replicate:
+        dp_mesh = one_dim(shard)
+    elif len(shard) == 1 and len(replicate) == 1:
+        dp_mesh = mesh[(names[replicate[0]], names[shard[0]])]
+    else:
+        dp_mesh = DeviceMesh._concatenate([one_dim(replicate), one_dim(shard)])  # type: ignore[attr-defined]
+    sharded_mesh = mesh
+    if len(shard) > 1:
+        parts = [
+            dp_mesh if i == shard[0] else mesh[names[i]]
+            for i in range(mesh.ndim)
+            if i == shard[0] or (i not in shard and i not in replicate)
+        ]
+        sharded_mesh = parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)  # type: ignore[attr-defined]
+    return SpmdMesh(mesh, shard, replicate, dp_mesh, sharded_mesh)
+
+
+def compose_spmd(fqn: str, p: Any, spmd: SpmdMesh, dim: int) -> TPLayout:
+    """Validate a parameter for ``dp_mesh_dims``; say how our split of dim ``dim`` composes.
+
+    The parameter must be a DTensor on the SPMD mesh, ``Replicate`` on its
+    data-parallel dims and ``Shard``/``Replicate`` elsewhere. We split its
+    local piece over the (flattened) shard dims: in DTensor's left-to-right
+    reading that is ``Shard(dim)`` there, or ``_StridedShard`` when a later
+    dim of the mesh splits ``dim`` too (its split happened first).
+    Where another dim splits ``dim``, or several dims are flattened, the
+    split must be even (DTensor describes nothing else).
+    """
+    mesh, names = spmd.mesh, tuple(spmd.mesh.mesh_dim_names or ())
+    if not isinstance(p, DTensor):
+        raise ValueError(
+            f"parameter {fqn!r} is a plain tensor; with dp_mesh_dims every parameter must be "
+            f"a DTensor on the mesh {names}, replicated on its data-parallel dims (e.g. "
+            "distribute_tensor(p, mesh, [Replicate(), ...]) or distribute_module)"
+        )
+    if p.device_mesh != mesh:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on the mesh {p.device_mesh}, not on the mesh "
+            f"passed to fully_shard {mesh}; with dp_mesh_dims both must be the full SPMD mesh"
+        )
+    placements = tuple(p.placements)
+    dp = set(spmd.shard) | set(spmd.replicate)
+    for i, pl in enumerate(placements):
+        if i in dp and not pl.is_replicate():
+            raise ValueError(
+                f"parameter {fqn!r} has {pl} on the data-parallel dim {names[i]!r}; it must be "
+                "Replicate() there (fully_shard does the sharding)"
+            )
+        if i not in dp and not (type(pl) is Shard or pl.is_replicate()):
+            raise ValueError(
+                f"parameter {fqn!r} has {pl} on mesh dim {names[i]!r}; fully_shard composes with "
+                "Shard(d) or Replicate() placements only"
+            )
+    norm = tuple(
+        Shard(pl.dim + p.ndim) if type(pl) is Shard and pl.dim < 0 else pl for pl in placements
+    )
+    others = [
+        i for i, pl in enumerate(norm) if i not in dp and isinstance(pl, Shard) and pl.dim == dim
+    ]
+    if dim != 0 and any(isinstance(pl, Shard) for i, pl in enumerate(norm) if i not in dp):
+        raise ValueError(
+            f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which another mesh dim "
+            "splits as well; shardwise splits such parameters along dim 0 only"
+        )
+    if others or len(spmd.shard) > 1:
+        ways = math.prod(mesh.size(i) for i in (*others, *spmd.shard))
+        if p.shape[dim] % ways:
+            raise ValueError(
+                f"parameter {fqn!r} has {p.shape[dim]} along dim {dim}, split over mesh dims "
+                f"{tuple(names[i] for i in sorted((*others, *spmd.shard)))}; DTensor describes "
+                f"that split only when it is even: make it a multiple of {ways}"
+            )
+    sharded = list(norm)
+    for i in spmd.shard:
+        later = math.prod(mesh.size(j) for j in others if j > i)
+        sharded[i] = _StridedShard(dim, split_factor=later) if later > 1 else Shard(dim)
+    return TPLayout(
+        mesh,
+        norm,
+        p.shape,
+        contiguous_stride(p.shape),
+        spmd.sharded_mesh,
+        spmd.fold(sharded),
+        frozenset(dp),
     )
 
 
