@@ -11,9 +11,12 @@ FSDP2's, so the same subclasses work under both.
 
 Why a byte-packed gather: a group mixes such parameters with plain ones
 (norm weights), and the inputs differ in dtype (fp8 next to bf16). Every
-input is laid in a 16-byte-aligned slot of one uint8 buffer, slots sized for
+input is laid in a slot of one uint8 buffer, slots end to end and sized for
 the largest piece (``chunk`` rows) so every rank sends the same bytes; one
-all-gather moves them all, and the copy-out views each slot in its own dtype.
+all-gather moves them all. Packing is one ``cat`` into the send buffer and
+unpacking one ``split_with_sizes_copy`` into byte views of the outputs: two
+kernels per group, not two per parameter (a 1B float8 model has hundreds of
+such inputs, and per-parameter copies left the step bound by kernel launches).
 The layout is fixed at the first gather and checked at every later one.
 
 Why the subclass keeps our storage: the sharded local tensor is the subclass
@@ -42,8 +45,6 @@ from .tensor_parallel import contiguous_stride
 if TYPE_CHECKING:
     from .param_group import ParamGroup
     from .sharded_param import ShardedParam
-
-_ALIGN = 16  # bytes: every slot starts where any dtype may be viewed
 
 
 def has_hooks(t: torch.Tensor) -> bool:
@@ -184,6 +185,12 @@ class PackedGather:
         # Per parameter, per input: (byte offset, slot bytes, gathered shape per rank, dtype).
         self.layout: list[list[tuple[int, int, torch.Size, torch.dtype]]] | None = None
         self.bytes_per_rank = 0
+        self._zeros: torch.Tensor | None = None  # padding after short pieces, read only
+
+    def _padding(self, n: int, device: torch.device) -> torch.Tensor:
+        if self._zeros is None or self._zeros.numel() < n or self._zeros.device != device:
+            self._zeros = torch.zeros(n, dtype=torch.uint8, device=device)
+        return self._zeros[:n]
 
     def inputs(self, group: ParamGroup) -> list[list[torch.Tensor]]:
         """Each parameter's tensors to send: ``pre``'s, or its piece in ``param_dtype``."""
@@ -215,7 +222,7 @@ class PackedGather:
                     )
                 slot = sp.chunk * sp.after * t.element_size()
                 slots.append((offset, slot, torch.Size([sp.chunk, *row]), t.dtype))
-                offset += -(-slot // _ALIGN) * _ALIGN
+                offset += slot
             layout.append(slots)
         self.layout, self.bytes_per_rank = layout, offset
 
@@ -264,35 +271,42 @@ class PackedGather:
                 f"{group.label}: fsdp_pre_all_gather returned other tensors than at the first "
                 "gather (count or dtype); the gather layout is fixed at the first one"
             )
-        if send is None:
-            send = torch.zeros(self.bytes_per_rank, dtype=torch.uint8, device=group.device)
+        parts = []
         for ins, slots in zip(inputs, self.layout):
-            for t, (off, _, _, _) in zip(ins, slots):
-                n = t.numel() * t.element_size()
-                if n:
-                    send[off : off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            for t, (_, slot, _, _) in zip(ins, slots):
+                data = t.contiguous().view(-1).view(torch.uint8)
+                parts.append(data)
+                if data.numel() < slot:  # a short last piece
+                    parts.append(self._padding(slot - data.numel(), data.device))
+        if send is None:
+            send = torch.empty(self.bytes_per_rank, dtype=torch.uint8, device=group.device)
+        torch.cat(parts, out=send)
         return send
 
     def unpack(self, group: ParamGroup, gathered: torch.Tensor) -> None:
-        """Copy each slot of the gathered bytes out, then build the unsharded parameters."""
+        """Copy every slot of the gathered bytes out (one kernel), then let ``post`` build
+        the unsharded parameters."""
         assert self.layout is not None
         rows = gathered.view(group.world, self.bytes_per_rank)
-        for sp, local, out, slots in zip(group.params, group._locals, group._copy_out, self.layout):
+        outs, refilled = [], []
+        for sp, out, slots in zip(group.params, group._copy_out, self.layout):
             ext = sp.ext
-            if ext is None:
-                ((off, slot, _, dt),) = slots
-                out.copy_(rows[:, off : off + slot].view(dt).view(out.shape))
+            if ext is None:  # the rank-major view of its part of the unsharded buffer
+                outs.append(out.view(torch.uint8))
                 continue
             if not ext.outputs:
                 for _, _, shape, dt in slots:
                     full = (group.world * shape[0], *shape[1:])
                     ext.outputs.append(torch.empty(full, dtype=dt, device=group.device))
             ext.refill()
-            # Refilled in place under autograd's nose, as plain parameters are
-            # (param_group.py): the saved tensors must not look modified.
-            made = (sp.unsharded,) if ext.made else ()
-            with torch.autograd._unsafe_preserve_version_counter((*made, *ext.outputs)):
-                for t, (off, slot, _, dt) in zip(ext.outputs, slots):
-                    t.view(group.world, -1).copy_(rows[:, off : off + slot].view(dt))
-                sp.unsharded = ext.post(local, group, sp)
-            sp.plain = sp.unsharded
+            outs.extend(t.view(group.world, -1).view(torch.uint8) for t in ext.outputs)
+            refilled.extend(((sp.unsharded,) if ext.made else ()) + tuple(ext.outputs))
+        sizes = [slot for slots in self.layout for _, slot, _, _ in slots]
+        # Refilled in place under autograd's nose, as plain parameters are
+        # (param_group.py): the saved tensors must not look modified.
+        with torch.autograd._unsafe_preserve_version_counter(tuple(refilled)):
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=outs)
+            for sp, local in zip(group.params, group._locals):
+                if sp.ext is not None:
+                    sp.unsharded = sp.ext.post(local, group, sp)
+                    sp.plain = sp.unsharded
