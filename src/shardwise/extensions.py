@@ -288,7 +288,8 @@ class PackedGather:
         the unsharded parameters."""
         assert self.layout is not None
         rows = gathered.view(group.world, self.bytes_per_rank)
-        outs, refilled = [], []
+        outs: list[torch.Tensor] = []
+        refilled: list[torch.Tensor] = []
         for sp, out, slots in zip(group.params, group._copy_out, self.layout):
             ext = sp.ext
             if ext is None:  # the rank-major view of its part of the unsharded buffer
