@@ -210,6 +210,8 @@ def test_sweep_of_a_size_and_an_hf_model_compiled_with_their_checkpointing(
     for r, model in zip(rows, (GPT(SIZES["tiny"].with_seq_len(16)), llama)):
         assert r["compiled"] and r["dynamo_graphs"] >= 1 and r["ac"] == "non-reentrant"
         assert r["step_ms"] > 0 and math.isfinite(r["loss"])
+        # shardwise's timeline of one more step: compute waited less than a step.
+        assert 0 <= r["exposed_comm_ms"] < r["step_ms"] and 0 <= r["prefetch_hit_rate"] <= 1
         assert r["params"] == sum(p.numel() for p in model.parameters())
         m = r["memory"]
         # One rank, fp32 (the Llama too, though its config says bf16): the flat

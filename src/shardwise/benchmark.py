@@ -259,6 +259,11 @@ def _run_group(jobs: list[Job], rounds: int) -> list[dict[str, Any]]:
         )
         if job.compile:
             row["dynamo_graphs"] = res[0]["dynamo_graphs"]
+        timeline = res[0].get("timeline")
+        if timeline:  # shardwise's rows: one traced step after the timed ones
+            row["exposed_comm_ms"] = timeline["exposed_comm_s"] * 1e3
+            row["exposed_comm_pct"] = 100 * timeline["exposed_comm_s"] / step
+            row["prefetch_hit_rate"] = timeline["prefetch_hit_rate"]
         if job.device == "cuda":
             row["peak_reserved_gib"] = worst["peak_reserved_bytes"] / 2**30
             row["mfu"] = flops_per_token(row["params"], spec) * tokens / job.nproc / H200_BF16_PEAK

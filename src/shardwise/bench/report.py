@@ -59,6 +59,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "step_vs_fsdp2",
         "step_vs_bare",
         "mem_vs_fsdp2",
+        "exposed_comm_pct",
     ]
     for model, group in _by_model(rows).items():
         sizes = [f"{r['params'] / 1e6:.2f}M parameters, " for r in group if "params" in r]

@@ -117,6 +117,30 @@ def _to_float8(blocks: list[torch.nn.Module], sharded: bool) -> None:
         convert_to_float8_training(block, config=config, module_filter_fn=fits)
 
 
+def _traced_step(job: Job, step: Callable[[], None], opt: Any) -> dict[str, Any] | None:
+    """shardwise's own timeline of one step (after the timed ones): how long compute
+    waited for communication, and whether prefetches arrived in time."""
+    if job.config != "shardwise":
+        return None
+    from ..trace import trace
+
+    if job.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with trace() as t:
+        step()
+        if job.device == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    opt.zero_grad(set_to_none=True)
+    s = t.summary()
+    return {
+        "exposed_comm_s": s["exposed_comm_s"],
+        "traced_step_s": wall,
+        "prefetch_hit_rate": s["prefetch_hit_rate"],
+    }
+
+
 def _worker(rank: int, job: Job, port: int, q: Any) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -212,11 +236,14 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
             breakdown = memory.cpu_memory_step(memory_step, baseline_rss, held)
         state["opt"].zero_grad(set_to_none=True)
         breakdown["rank"] = rank
+        timeline = _traced_step(job, lambda: memory_step(lambda phase: None), state["opt"])
         stats = torch.tensor([statistics.median(times), float(peak), reserved], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(job.nproc)]
         dist.all_gather(gathered, stats)  # gloo on CPU tensors: fine for both backends
         breakdowns: list[Any] = [None] * job.nproc
         dist.all_gather_object(breakdowns, breakdown)
+        timelines: list[Any] = [None] * job.nproc
+        dist.all_gather_object(timelines, timeline)
         n_params = sum(p.numel() for p in model.parameters())
         if rank == 0:
             q.put(
@@ -233,6 +260,10 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
                         "gather_bytes_per_step": step_gather_bytes,  # 0 unless shardwise
                         # The rank whose breakdown step peaked highest: the one that limits.
                         "memory": max(breakdowns, key=lambda b: b["peak_bytes"]),
+                        # shardwise's timeline of one more step: the rank that waited longest.
+                        "timeline": max(timelines, key=lambda t: t["exposed_comm_s"])
+                        if timeline is not None
+                        else None,
                     },
                 )
             )
