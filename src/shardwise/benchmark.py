@@ -261,8 +261,10 @@ def _run_group(jobs: list[Job], rounds: int) -> list[dict[str, Any]]:
             row["dynamo_graphs"] = res[0]["dynamo_graphs"]
         timeline = res[0].get("timeline")
         if timeline:  # shardwise's rows: one traced step after the timed ones
+            # Against the traced step's own time: tracing costs a little.
             row["exposed_comm_ms"] = timeline["exposed_comm_s"] * 1e3
-            row["exposed_comm_pct"] = 100 * timeline["exposed_comm_s"] / step
+            row["traced_step_ms"] = timeline["traced_step_s"] * 1e3
+            row["exposed_comm_pct"] = 100 * timeline["exposed_comm_s"] / timeline["traced_step_s"]
             row["prefetch_hit_rate"] = timeline["prefetch_hit_rate"]
         if job.device == "cuda":
             row["peak_reserved_gib"] = worst["peak_reserved_bytes"] / 2**30
