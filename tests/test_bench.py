@@ -379,3 +379,20 @@ def test_a_failed_record_costs_the_attribution_not_the_row(
     assert recording == ([] if failing == "recording" else ["all", None])  # off again
     assert got["parts"]["parameters"] == 300 and got["parts"]["other"] == 900 - 600
     assert set(got["parts"]) == set(memory.CUDA_PARTS)
+
+
+def test_pure_bf16_keeps_no_fp32_master_weights(tmp_path: Path) -> None:
+    """``--mp bf16-pure``: the floor issue 14 compares against; every parameter (hence
+    gradient and AdamW state) in bf16, in the bare model and the sharded one."""
+    import torch.distributed as dist
+
+    from shardwise.bench.worker import Job, build_job
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        for config in ("bare", "shardwise"):
+            job = Job(config, "tiny", 1, "none", "bf16-pure", 2, 16, 1, 0, "cpu")
+            model, _ = build_job(job)
+            assert {p.dtype for p in model.parameters()} == {torch.bfloat16}, config
+    finally:
+        dist.destroy_process_group()

@@ -85,7 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ac", default="none", help="comma list of activation checkpointing modes (default: none)"
     )
-    p.add_argument("--mp", default="none", help="comma list of: none, bf16 (default: none)")
+    p.add_argument(
+        "--mp",
+        default="none",
+        help="comma list of: none (fp32), bf16 (fp32 parameters, bf16 compute: autocast for the "
+        "bare model, MixedPrecisionPolicy for the others), bf16-pure (the whole model, its "
+        "gradients and AdamW in bf16) (default: none)",
+    )
     p.add_argument(
         "--compile",
         nargs="?",
@@ -314,7 +320,7 @@ def _check(
         if not cuda:
             raise BenchUsageError("--float8: float8 matmuls need a CUDA GPU; drop it on CPU")
     acs = _choices("--ac", args.ac, CHECKPOINTING)
-    mps = _choices("--mp", args.mp, ("none", "bf16"))
+    mps = _choices("--mp", args.mp, ("none", "bf16", "bf16-pure"))
     compiles = [c == "on" for c in _choices("--compile", args.compile, ("off", "on"))]
     if args.configs is None:
         configs = [c for c in CONFIGS if c != "bare" or nproc == 1]

@@ -69,6 +69,8 @@ def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
 
     device = torch.device(job.device)
     model, blocks = build(_spec(job), device, job.ac)
+    if job.mp == "bf16-pure":  # no fp32 master weights anywhere: the floor for bf16
+        model.to(torch.bfloat16)
     if job.float8:
         _to_float8(blocks, sharded=job.config != "bare")
     bf16 = job.mp == "bf16"
