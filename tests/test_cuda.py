@@ -81,6 +81,8 @@ CLIENT_CASES = ["llama:reentrant", "llama:non-reentrant", "lora:non-reentrant", 
 def test_cuda_transformers_llama_with_its_checkpointing() -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
+    if world() < 2:
+        pytest.skip("counts each module's all-gathers; one rank runs none (needs 2 GPUs)")
     from test_clients import run_cases
 
     per_rank = run_distributed(run_cases, world(), CLIENT_CASES, "cuda", backend=NCCL)
@@ -159,6 +161,8 @@ SEMANTICS = {
 def test_cuda_semantics(case: str) -> None:
     import test_semantics
 
+    if case.startswith("dataclass") and world() < 2:
+        pytest.skip("checks which modules hold gathered memory; one rank holds none (2 GPUs)")
     name, args = SEMANTICS[case]
     out = run_distributed(getattr(test_semantics, name), world(), *args, "cuda", backend=NCCL)
     if case == "frozen-modules":
@@ -238,8 +242,10 @@ def float8_worker(rank: int, world: int) -> None:
     assert mine[-1] < mine[0], mine
     for a, b in zip(mine, want):
         assert abs(a - b) <= 2e-3 * abs(b), (mine, want)
-    # The blocks' linears go over the wire in fp8 (1 byte), the rest in bf16 (2).
-    assert fp8_bytes < 0.56 * bf16_bytes, (fp8_bytes, bf16_bytes)
+    if world == 1:  # nothing goes over a wire: no all-gather runs at all
+        assert fp8_bytes == bf16_bytes == 0, (fp8_bytes, bf16_bytes)
+    else:  # the blocks' linears go over the wire in fp8 (1 byte), the rest in bf16 (2)
+        assert fp8_bytes < 0.56 * bf16_bytes, (fp8_bytes, bf16_bytes)
 
 
 def test_cuda_float8_all_gather_matches_fsdp2() -> None:

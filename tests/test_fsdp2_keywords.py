@@ -402,8 +402,8 @@ def spmd_model(impl, mesh, dims, d: int, tp_dim: int | None, seed: int = 0) -> S
     return model
 
 
-def spmd_run(impl, clip, mesh, dims, d: int, tp_dim: int | None, batch: list, steps: int = 3):
-    """Three clipped AdamW steps of SpmdNet sharded by ``impl`` with ``dp_mesh_dims=dims``;
+def spmd_run(impl, clip, mesh, dims, d: int, tp_dim: int | None, batch: list, steps: int = 2):
+    """Two clipped AdamW steps of SpmdNet sharded by ``impl`` with ``dp_mesh_dims=dims``;
     each rank's loss is the mean over its own rows. Returns (placements, losses, model)."""
     model = spmd_model(impl, mesh, dims, d, tp_dim)
     placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
@@ -484,13 +484,14 @@ def check_spmd_flattened(rank: int, world: int) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     dims, batch = DataParallelMeshDims(shard=("a", "b")), [Shard(0), Shard(0)]
-    trained = spmd_parity(mesh, dims, 8, None, batch)
+    # Width 7 over 4 flattened ranks: uneven pieces, one of them short.
+    trained = spmd_parity(mesh, dims, 7, None, batch)
 
     # FSDP2 refuses an int reshard_after_forward here; shardwise trains the same.
     def by_pairs(module: nn.Module, **kw) -> None:
         fully_shard(module, reshard_after_forward=2, **kw)
 
-    again = spmd_run(by_pairs, shardwise.clip_grad_norm_, mesh, dims, 8, None, batch)[2]
+    again = spmd_run(by_pairs, shardwise.clip_grad_norm_, mesh, dims, 7, None, batch)[2]
     for (name, a), b in zip(again.named_parameters(), trained.parameters()):
         torch.testing.assert_close(a.full_tensor(), b.full_tensor(), msg=name)
 
@@ -509,6 +510,10 @@ def check_spmd_refusals(rank: int, world: int) -> None:
             distribute_params(m, mesh, 1)
         return m
 
+    uneven_two_level = fresh(18)  # head.weight's 18 rows: 9 per tp rank, then over dp
+    uneven_two_level.head.weight = nn.Parameter(
+        distribute_tensor(torch.ones(18, 18), mesh, [Replicate(), Shard(0)])
+    )
     dp_sharded = fresh()
     dp_sharded.head.weight = nn.Parameter(distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)] * 2))
     cases = {
@@ -519,20 +524,15 @@ def check_spmd_refusals(rank: int, world: int) -> None:
         "in the mesh's order": (fresh(), mesh, Dims(shard=("tp", "dp"))),
         "must come before the shard dims": (fresh(), mesh, Dims(shard="dp", replicate="tp")),
         "mesh_dim_names": (fresh(), unnamed, Dims(shard="dp")),
-        # Width 7 over the flattened (dp, tp): the norms cannot split evenly.
-        "make it a multiple of 4": (fresh(7, placed=False), None, Dims(shard=("dp", "tp"))),
+        # fc1's rows (16) split over tp, then dp: two levels, which must be even.
+        "make it a multiple of 4": (uneven_two_level, mesh, Dims(shard="dp")),
+        "already splits along dim 0": (fresh(), mesh, Dims(shard="dp")),
     }
+    columns = {"already splits along dim 0": lambda p: Shard(1) if p.dim() == 2 else None}
     for want, (model, m, dims) in cases.items():
-        if m is None:  # all-replicated parameters for the flattened case
-            m = mesh
-            for mod in model.modules():
-                for name, p in list(mod.named_parameters(recurse=False)):
-                    mod.register_parameter(
-                        name, nn.Parameter(distribute_tensor(p.detach(), m, [Replicate()] * 2))
-                    )
         before = {n: p for n, p in model.named_parameters()}
         with pytest.raises(ValueError, match=re.escape(want)):
-            fully_shard(model, mesh=m, dp_mesh_dims=dims)
+            fully_shard(model, mesh=m, dp_mesh_dims=dims, shard_placement_fn=columns.get(want))
         assert not isinstance(model, shardwise.FSDPModule), want
         assert {n: p for n, p in model.named_parameters()} == before, want
     with pytest.raises(TypeError, match="DataParallelMeshDims"):

@@ -40,13 +40,6 @@ class TPLayout:
     sharded_placements: tuple[Placement, ...]
     dp_dims: frozenset[int] = frozenset()  # SPMD: the data-parallel dims of ``mesh``
 
-    @property
-    def splits(self) -> bool:
-        """Whether a placement other than our own splits the parameter."""
-        return any(
-            isinstance(pl, Shard) for i, pl in enumerate(self.placements) if i not in self.dp_dims
-        )
-
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """The gathered local piece as the DTensor the model computes with.
 
@@ -305,9 +298,8 @@ def compose_spmd(fqn: str, p: Any, spmd: SpmdMesh, dim: int) -> TPLayout:
     data-parallel dims and ``Shard``/``Replicate`` elsewhere. We split its
     local piece over the (flattened) shard dims: in DTensor's left-to-right
     reading that is ``Shard(dim)`` there, or ``_StridedShard`` when a later
-    dim of the mesh splits ``dim`` too (its split happened first).
-    Where another dim splits ``dim``, or several dims are flattened, the
-    split must be even (DTensor describes nothing else).
+    dim of the mesh splits ``dim`` too (its split happened first); that
+    two-level split must be even, as in ``compose_tp``.
     """
     mesh, names = spmd.mesh, tuple(spmd.mesh.mesh_dim_names or ())
     if not isinstance(p, DTensor):
@@ -340,18 +332,21 @@ def compose_spmd(fqn: str, p: Any, spmd: SpmdMesh, dim: int) -> TPLayout:
     others = [
         i for i, pl in enumerate(norm) if i not in dp and isinstance(pl, Shard) and pl.dim == dim
     ]
-    if dim != 0 and any(isinstance(pl, Shard) for i, pl in enumerate(norm) if i not in dp):
+    split = [(names[i], pl.dim) for i, pl in enumerate(norm) if i not in dp and type(pl) is Shard]
+    if dim != 0 and split:
         raise ValueError(
-            f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which another mesh dim "
-            "splits as well; shardwise splits such parameters along dim 0 only"
+            f"shard_placement_fn returned Shard({dim}) for {fqn!r}, which mesh dim "
+            f"{split[0][0]!r} already splits along dim {split[0][1]}; shardwise splits such "
+            "parameters along dim 0 only (return None or Shard(0) for it)"
         )
-    if others or len(spmd.shard) > 1:
+    if others:
         ways = math.prod(mesh.size(i) for i in (*others, *spmd.shard))
         if p.shape[dim] % ways:
             raise ValueError(
                 f"parameter {fqn!r} has {p.shape[dim]} along dim {dim}, split over mesh dims "
-                f"{tuple(names[i] for i in sorted((*others, *spmd.shard)))}; DTensor describes "
-                f"that split only when it is even: make it a multiple of {ways}"
+                f"{tuple(names[i] for i in sorted((*others, *spmd.shard)))}; shardwise needs "
+                f"that two-level split to be even (older DTensor releases describe no other): "
+                f"make it a multiple of {ways}"
             )
     sharded = list(norm)
     for i in spmd.shard:
