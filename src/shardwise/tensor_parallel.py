@@ -26,10 +26,10 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 @dataclass(frozen=True)
 class TPLayout:
-    """How tensor parallelism split a parameter before this group shards its TP-local piece.
+    """How a DTensor parameter was split before this group shards its local piece.
 
-    Built by ``compose_tp`` (which validates); the group then treats the
-    TP-local piece as the parameter and uses this only to make DTensors.
+    Built by ``compose_tp`` or ``compose_spmd`` (which validate); the group then
+    treats the local piece as the parameter and uses this only to make DTensors.
     """
 
     mesh: DeviceMesh  # the mesh the parameter came on: 1-D tp, or the full SPMD mesh
