@@ -261,16 +261,15 @@ def parity_worker(rank: int, world: int, kind: str, configs: list[tuple[bool, st
         run_parity(kind, sp, ac, mesh)
 
 
-def test_mlp_tp_x_fsdp_matches_single_process() -> None:
-    run_distributed(parity_worker, 4, "mlp", [(False, "none"), (False, "non-reentrant")])
+def test_mlp_tp_x_fsdp_matches_single_process(shared: dict[str, Any]) -> None:
+    passed(shared, "mlp")
 
 
-def test_gpt_block_tp_x_fsdp_matches_single_process() -> None:
+def test_gpt_block_tp_x_fsdp_matches_single_process(shared: dict[str, Any]) -> None:
     """shardwise.models.gpt.Block: with sequence parallelism (its norms become TP-Replicate
     DTensors), without it (its norms stay plain and are sharded over dp only), with and
     without activation checkpointing."""
-    configs = [(True, "none"), (True, "reentrant"), (False, "non-reentrant")]
-    run_distributed(parity_worker, 4, "gpt", configs, timeout=240)
+    passed(shared, "gpt")
 
 
 def hsdp_worker(rank: int, world: int) -> None:
@@ -411,6 +410,51 @@ def bad_tp_worker(rank: int, world: int) -> dict[str, str]:
         assert isinstance(p, DTensor), n
         torch.testing.assert_close(_local(p), before[n], msg=n)
     return msgs
+
+
+# ---- one set of 4 processes for the parity checks (each spawn costs the suite ~13 s) --------
+
+
+def _gpt_parity(rank: int, world: int) -> None:
+    parity_worker(
+        rank, world, "gpt", [(True, "none"), (True, "reentrant"), (False, "non-reentrant")]
+    )
+
+
+def _mlp_parity(rank: int, world: int) -> None:
+    parity_worker(rank, world, "mlp", [(False, "none"), (False, "non-reentrant")])
+
+
+# Not hsdp_worker and bad_tp_worker: after another root mesh with a "tp" dim was made in
+# the same process, mesh["tp"] of theirs fails compose_tp's same-root check (noted, not
+# yet understood), so they keep their own processes.
+SHARED = {"mlp": _mlp_parity, "gpt": _gpt_parity}
+
+
+def shared_worker(rank: int, world: int) -> dict[str, tuple[str, Any]]:
+    """Every SHARED check on this rank: ("ok", its result) or ("error", the traceback)."""
+    import traceback
+
+    out: dict[str, tuple[str, Any]] = {}
+    for name, fn in SHARED.items():
+        try:
+            out[name] = ("ok", fn(rank, world))
+        except Exception:  # noqa: BLE001 - reported by the check's own test
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared() -> dict[str, Any]:
+    per_rank = run_distributed(shared_worker, 4, timeout=280)
+    return {name: [r[name] for r in per_rank] for name in SHARED}
+
+
+def passed(shared: dict[str, Any], name: str) -> Any:
+    """Rank 0's result of check ``name``; fails with the first rank's traceback."""
+    errors = [payload for status, payload in shared[name] if status == "error"]
+    assert not errors, errors[0]
+    return shared[name][0][1]
 
 
 def test_bad_tp_input_gets_one_clear_error_and_changes_nothing() -> None:
