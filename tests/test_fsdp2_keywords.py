@@ -193,18 +193,24 @@ def check_shard_placement_fn(rank: int, world: int) -> None:
         assert a.placements == b.placements, name
         torch.testing.assert_close(a.to_local(), b.to_local(), msg=name)
 
+    torch.manual_seed(1)
+    fresh = Net(ac="reentrant")
+    shard_by_columns(fresh, world)
+    dcp_round_trip(rank, model, fresh)
+
+
+def dcp_round_trip(rank: int, saved: nn.Module, fresh: nn.Module) -> None:
+    """``saved``'s state dict through DCP into ``fresh`` (sharded the same way, another
+    init): the same placements and local pieces afterwards."""
     import torch.distributed.checkpoint as dcp
 
     path = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(path)
-    dcp.save(model.state_dict(), checkpoint_id=path[0])
-    torch.manual_seed(1)
-    fresh = Net(ac="reentrant")
-    shard_by_columns(fresh, world)
+    dcp.save(saved.state_dict(), checkpoint_id=path[0])
     sd = fresh.state_dict()
     dcp.load(sd, checkpoint_id=path[0])
     fresh.load_state_dict(sd)
-    for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
+    for (name, a), b in zip(fresh.named_parameters(), saved.parameters()):
         assert a.placements == b.placements, name
         torch.testing.assert_close(a.to_local(), b.to_local(), msg=name)
 
@@ -456,19 +462,7 @@ def check_spmd_fsdp_x_tp(rank: int, world: int) -> None:
     dims = DataParallelMeshDims(shard="dp")
     # Width 7: norms and fc2's rows split unevenly over dp; fc1's rows go over tp, then dp.
     trained = spmd_parity(mesh, dims, 7, 1, [Shard(0), Replicate()])
-    # DCP round trip into a differently initialized model laid out the same way.
-    import torch.distributed.checkpoint as dcp
-
-    path = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(path)
-    dcp.save(trained.state_dict(), checkpoint_id=path[0])
-    fresh = spmd_model(fully_shard, mesh, dims, 7, 1, seed=1)
-    sd = fresh.state_dict()
-    dcp.load(sd, checkpoint_id=path[0])
-    fresh.load_state_dict(sd)
-    for (name, a), b in zip(fresh.named_parameters(), trained.parameters()):
-        assert a.placements == b.placements, name
-        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), msg=name)
+    dcp_round_trip(rank, trained, spmd_model(fully_shard, mesh, dims, 7, 1, seed=1))
 
 
 def check_spmd_hsdp(rank: int, world: int) -> None:
