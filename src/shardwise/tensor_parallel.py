@@ -143,8 +143,14 @@ def compose_tp(fqn: str, p: DTensor, mesh: DeviceMesh) -> TPLayout:
             f"also given as the FSDP mesh (dimensions {dp_names}); FSDP must shard over the "
             f"other, data-parallel dimension: {how}"
         )
-    root = _root_mesh(tp_mesh)
-    if tp_name is None or not dp_names or root is tp_mesh or _root_mesh(mesh) is not root:
+    root, dp_root = _root_mesh(tp_mesh), _root_mesh(mesh)
+    if root is not dp_root and tp_name in (dp_root.mesh_dim_names or ()):
+        # DTensor caches specs by equality, so a parameter may carry an equal tp
+        # mesh sliced from another root (one built earlier in the process): the
+        # same ranks in the same groups compose just as well.
+        if dp_root[tp_name] == tp_mesh:
+            root = dp_root
+    if tp_name is None or not dp_names or root is tp_mesh or dp_root is not root:
         raise ValueError(
             f"parameter {fqn!r} is a DTensor on mesh {tp_mesh}, and the FSDP mesh {mesh} is not "
             "a data-parallel sub-mesh of the same root mesh (was the model parallelized on "
