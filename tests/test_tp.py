@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardwise
 import shardwise.checkpoint as sw_checkpoint
-from dist_utils import run_distributed
+from dist_utils import run_distributed, run_named_checks
 from shardwise import FSDPModule, collectives, fully_shard
 from shardwise.models.gpt import Block, GPTConfig
 
@@ -262,14 +262,14 @@ def parity_worker(rank: int, world: int, kind: str, configs: list[tuple[bool, st
 
 
 def test_mlp_tp_x_fsdp_matches_single_process(shared: dict[str, Any]) -> None:
-    passed(shared, "mlp")
+    assert shared["mlp"] is None, shared["mlp"]
 
 
 def test_gpt_block_tp_x_fsdp_matches_single_process(shared: dict[str, Any]) -> None:
     """shardwise.models.gpt.Block: with sequence parallelism (its norms become TP-Replicate
     DTensors), without it (its norms stay plain and are sharded over dp only), with and
     without activation checkpointing."""
-    passed(shared, "gpt")
+    assert shared["gpt"] is None, shared["gpt"]
 
 
 def hsdp_worker(rank: int, world: int) -> None:
@@ -279,7 +279,7 @@ def hsdp_worker(rank: int, world: int) -> None:
 
 def test_hsdp_x_tp_matches_single_process(shared: dict[str, Any]) -> None:
     """A (replicate, shard) FSDP mesh composes with tp the same way (3-D placements)."""
-    passed(shared, "hsdp")
+    assert shared["hsdp"] is None, shared["hsdp"]
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -427,39 +427,8 @@ def _mlp_parity(rank: int, world: int) -> None:
     parity_worker(rank, world, "mlp", [(False, "none"), (False, "non-reentrant")])
 
 
-# In this order the later checks also see meshes equal to earlier ones (DTensor hands out
-# cached specs holding the earlier mesh): compose_tp must accept an equal tp mesh.
-SHARED = {"mlp": _mlp_parity, "gpt": _gpt_parity, "hsdp": hsdp_worker, "bad": bad_tp_worker}
-
-
-def shared_worker(rank: int, world: int) -> dict[str, tuple[str, Any]]:
-    """Every SHARED check on this rank: ("ok", its result) or ("error", the traceback)."""
-    import traceback
-
-    out: dict[str, tuple[str, Any]] = {}
-    for name, fn in SHARED.items():
-        try:
-            out[name] = ("ok", fn(rank, world))
-        except Exception:  # noqa: BLE001 - reported by the check's own test
-            out[name] = ("error", traceback.format_exc())
-    return out
-
-
-@pytest.fixture(scope="module")
-def shared() -> dict[str, Any]:
-    per_rank = run_distributed(shared_worker, 4, timeout=280)
-    return {name: [r[name] for r in per_rank] for name in SHARED}
-
-
-def passed(shared: dict[str, Any], name: str) -> Any:
-    """Rank 0's result of check ``name``; fails with the first rank's traceback."""
-    errors = [payload for status, payload in shared[name] if status == "error"]
-    assert not errors, errors[0]
-    return shared[name][0][1]
-
-
-def test_bad_tp_input_gets_one_clear_error_and_changes_nothing(shared: dict[str, Any]) -> None:
-    msgs = passed(shared, "bad")
+def check_bad_tp_input(rank: int, world: int) -> None:
+    msgs = bad_tp_worker(rank, world)
     for name in ("tp-as-dp", "whole-mesh"):
         assert "'tp'" in msgs[name] and "also given as the FSDP mesh" in msgs[name], msgs[name]
         assert "mesh['dp']" in msgs[name]
@@ -475,3 +444,23 @@ def test_bad_tp_input_gets_one_clear_error_and_changes_nothing(shared: dict[str,
     assert (
         "tensor parallel" in msgs["materialize"] and "load_full_state_dict" in msgs["materialize"]
     )
+
+
+# In this order the later checks also see meshes equal to earlier ones (DTensor hands out
+# cached specs holding the earlier mesh): compose_tp must accept an equal tp mesh.
+SHARED = {"mlp": _mlp_parity, "gpt": _gpt_parity, "hsdp": hsdp_worker, "bad": check_bad_tp_input}
+
+
+def shared_worker(rank: int, world: int) -> dict[str, str | None]:
+    return run_named_checks(SHARED, rank, world, list(SHARED))
+
+
+@pytest.fixture(scope="module")
+def shared() -> dict[str, str | None]:
+    """Each SHARED check's first failing rank's traceback, or None."""
+    per_rank = run_distributed(shared_worker, 4, timeout=280)
+    return {n: next((r[n] for r in per_rank if r[n]), None) for n in SHARED}
+
+
+def test_bad_tp_input_gets_one_clear_error_and_changes_nothing(shared: dict[str, Any]) -> None:
+    assert shared["bad"] is None, shared["bad"]

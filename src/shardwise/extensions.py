@@ -185,6 +185,7 @@ class PackedGather:
         # Per parameter, per input: (byte offset, slot bytes, gathered shape per rank, dtype).
         self.layout: list[list[tuple[int, int, torch.Size, torch.dtype]]] | None = None
         self.bytes_per_rank = 0
+        self.sizes: list[int] = []  # every slot's bytes, in order: the unpack's split
         self._zeros: torch.Tensor | None = None  # padding after short pieces, read only
 
     def _padding(self, n: int, device: torch.device) -> torch.Tensor:
@@ -225,6 +226,7 @@ class PackedGather:
                 offset += slot
             layout.append(slots)
         self.layout, self.bytes_per_rank = layout, offset
+        self.sizes = [slot for slots in layout for _, slot, _, _ in slots]
 
     def issue(self, group: ParamGroup) -> tuple[torch.Tensor, torch.Tensor, collectives.Pending]:
         """Run the ``pre`` hooks, pack, and start the all-gather: (send, out, pending).
@@ -302,11 +304,10 @@ class PackedGather:
             ext.refill()
             outs.extend(t.view(group.world, -1).view(torch.uint8) for t in ext.outputs)
             refilled.extend(((sp.unsharded,) if ext.made else ()) + tuple(ext.outputs))
-        sizes = [slot for slots in self.layout for _, slot, _, _ in slots]
         # Refilled in place under autograd's nose, as plain parameters are
         # (param_group.py): the saved tensors must not look modified.
         with torch.autograd._unsafe_preserve_version_counter(tuple(refilled)):
-            torch.split_with_sizes_copy(rows, sizes, dim=1, out=outs)
+            torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=outs)
             for sp, local in zip(group.params, group._locals):
                 if sp.ext is not None:
                     sp.unsharded = sp.ext.post(local, group, sp)

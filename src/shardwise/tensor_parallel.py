@@ -55,12 +55,13 @@ class TPLayout:
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
+    def spec(self, dtype: torch.dtype) -> DTensorSpec:
+        """The unsharded DTensor's spec, for a local piece of ``dtype``."""
+        return DTensorSpec(self.mesh, self.placements, TensorMeta(self.shape, self.stride, dtype))
+
     def constant(self, local: torch.Tensor) -> torch.Tensor:
         """The same DTensor without autograd (no-grad forwards): made once, reused."""
-        spec = DTensorSpec(
-            self.mesh, self.placements, TensorMeta(self.shape, self.stride, local.dtype)
-        )
-        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+        return DTensor(local, self.spec(local.dtype), requires_grad=False)  # type: ignore[call-arg]
 
 
 class _KeepDataParallel(torch.autograd.Function):
@@ -77,9 +78,7 @@ class _KeepDataParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, layout: TPLayout) -> torch.Tensor:  # type: ignore[override]
         ctx.layout = layout
-        spec = DTensorSpec(
-            layout.mesh, layout.placements, TensorMeta(layout.shape, layout.stride, local.dtype)
-        )
+        spec = layout.spec(local.dtype)
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
 
     @staticmethod
