@@ -396,3 +396,24 @@ def test_pure_bf16_keeps_no_fp32_master_weights(tmp_path: Path) -> None:
             assert {p.dtype for p in model.parameters()} == {torch.bfloat16}, config
     finally:
         dist.destroy_process_group()
+
+
+def test_optimizer_in_backward_steps_inside_the_benchmarked_backward(tmp_path: Path) -> None:
+    """``--optimizer-in-backward``: shardwise's AdamW has stepped when backward returns."""
+    import torch.distributed as dist
+
+    from shardwise.bench.models import logits
+    from shardwise.bench.worker import Job, build_job
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        job = Job("shardwise", "tiny", 1, "none", "none", 2, 16, 1, 0, "cpu")
+        job.optimizer_in_backward = True
+        model, _ = build_job(job)
+        before = [p.detach().clone() for p in model.parameters()]
+        idx = torch.randint(0, 64, (2, 16))
+        logits(model, resolve("tiny", 16, False), idx).float().mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    finally:
+        dist.destroy_process_group()

@@ -180,6 +180,13 @@ def test_cuda_cpu_offload_matches_one_process() -> None:
     run_distributed(offload_worker, world(), "cuda", backend=NCCL)
 
 
+def test_cuda_optimizer_in_backward_with_offload_matches_one_process() -> None:
+    """Offloaded AdamW stepped on a CPU thread as each module's gradients land in host memory."""
+    from test_optimizer_in_backward import check_offload
+
+    run_distributed(check_offload, world(), "cuda", backend=NCCL)
+
+
 def float8_worker(rank: int, world: int) -> None:
     """torchao's float8 training: shardwise gathers the fp8 weights and trains as FSDP2 does."""
     import copy

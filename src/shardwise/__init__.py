@@ -14,6 +14,7 @@ from .context import FSDPContext, LifecycleError, Phase
 from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .materialize import materialize
 from .offload import CPUOffloadPolicy, OffloadPolicy
+from .optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from .precision import MixedPrecisionPolicy
 from .trace import Tracer, trace
 
@@ -24,6 +25,7 @@ __all__ = [
     "LifecycleError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "OptimizerInBackward",
     "Phase",
     "Tracer",
     "UnshardHandle",
@@ -32,6 +34,7 @@ __all__ = [
     "hsdp_mesh",
     "materialize",
     "no_sync",
+    "optimizer_in_backward",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "trace",

@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "AdamW in host memory",
     )
     p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="shardwise only: AdamW steps each module inside backward as its gradients "
+        "arrive (shardwise.optimizer_in_backward; with --offload, on a CPU thread beside "
+        "the GPU's backward)",
+    )
+    p.add_argument(
         "--float8",
         action="store_true",
         help="torchao float8 training of the blocks' linears in every configuration, "
@@ -184,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                             spec,
                             args.offload,
                             args.float8,
+                            args.optimizer_in_backward and c == "shardwise",
                         )
                         for c in configs
                     ]
@@ -243,6 +251,7 @@ def _run_group(jobs: list[Job], rounds: int) -> list[dict[str, Any]]:
             "compiled": job.compile,
             "offload": job.offload,
             "float8": job.float8,
+            "optimizer_in_backward": job.optimizer_in_backward,
             "batch_size": job.batch_size,
             "seq_len": job.seq_len,
             "device": job.device,

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .optimizer_in_backward import MARK
+
 
 def _copies(g: torch.Tensor, world: int) -> int:
     """How many ranks hold this exact local shard.
@@ -49,6 +51,13 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients in place to total norm ``max_norm``; return the total norm (plain tensor)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    stepped = [p for p in params if getattr(p, MARK, False)]
+    if stepped:
+        raise RuntimeError(
+            f"clip_grad_norm_: {len(stepped)} of these parameters step inside backward "
+            "(optimizer_in_backward), so their gradients are applied and gone before any "
+            "clipping could see them all; remove() the handle to clip, or do not clip"
+        )
     grads = [p.grad for p in params if p.grad is not None]
     world = dist.get_world_size() if dist.is_initialized() else 1
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

@@ -21,7 +21,10 @@ import torch
 from .trace import active as active_trace
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from .module import ModuleState
+    from .param_group import ParamGroup
     from .reduce import ReduceJob
 
 
@@ -122,6 +125,10 @@ class FSDPContext:
         self.phase = Phase.IDLE
         self.pending_reduces: list[ReduceJob] = []
         self.downloads: list[Any] = []  # CPU offload: gradients copied to host, in flight
+        # optimizer_in_backward: offloaded modules' steps on the worker thread,
+        # and every module stepped in this backward (resharded at its end).
+        self.steps: list[Future[None]] = []
+        self.stepped: list[ParamGroup] = []
         self.events: deque[str] = deque(maxlen=32)
         self.check = any(s.check for s in states)
         self.fwd = Recording()
@@ -230,8 +237,12 @@ class FSDPContext:
         # Modules whose post-backward ran keep their reduced gradients, as
         # plain autograd keeps the gradients it accumulated before the error.
         # A held module's partial sum is dropped: its backward never finished.
+        # Nor do they step (optimizer_in_backward): the caller sees the error.
+        for job in self.pending_reduces:
+            job.steps = False
         self.finish_reduces()
         self.wait_downloads()
+        self.wait_steps(raise_error=False)
         if self.held is not None and self.held.group is not None:
             self.held.group.clear_accumulated()
         self.held = None
@@ -254,6 +265,18 @@ class FSDPContext:
             event.synchronize()
         self.downloads.clear()
 
+    def wait_steps(self, raise_error: bool = True) -> None:
+        """optimizer_in_backward: wait until every module stepped, then reshard the
+        stepped ones (a module kept gathered would hold the parameters from before
+        its step). The first step that raised is raised here."""
+        steps, self.steps = self.steps, []
+        errors = [e for f in steps if (e := f.exception()) is not None]
+        for group in self.stepped:
+            group.reshard()
+        self.stepped = []
+        if errors and raise_error:
+            raise errors[0]
+
     def _final_callback(self) -> None:
         """End of backward: every reduction done, every module sharded and IDLE.
 
@@ -265,8 +288,12 @@ class FSDPContext:
         if self.is_last_backward:
             self.finish_reduces()
         self.wait_downloads()
-        error = None
-        if self.check:
+        error: BaseException | None = None
+        try:
+            self.wait_steps()
+        except Exception as e:  # noqa: BLE001 - raised after the clean-up below
+            error = e
+        if self.check and error is None:
             from .check import check_backward_end
 
             error = check_backward_end(self)
@@ -291,6 +318,7 @@ class FSDPContext:
             self.abandon_backward()
         self.finish_reduces()
         self.wait_downloads()
+        self.wait_steps(raise_error=False)
         self.held = None
         for s in self.states:
             s.phase = Phase.IDLE

@@ -154,6 +154,7 @@ class ParamGroup:
         self.requires_all_reduce = True  # HSDP: False holds reduce-scattered sums back
         self.reduce_scatter_unused = False  # give every trainable parameter a gradient
         self.all_reduce_hook: Any = None  # called on the reduced shard, before assignment
+        self.step_in_backward: Any = None  # optimizer_in_backward's handle: steps once reduced
         self.custom_all_gather: Any = None
         self.custom_reduce_scatter: Any = None
         self.reduce_scatter_group = self.shard_group  # or a separate one, to overlap gathers

@@ -46,6 +46,11 @@ class ReduceJob:
             member = {sp.index for sp in self.members}
             used = [u or sp.index in member for sp, u in zip(g.params, used)]
         self.used = used
+        # Only a backward that ends the microbatches steps (optimizer_in_backward):
+        # decided now, since an earlier microbatch's job may finish in the next one.
+        ctx = g.owner.context
+        self.steps = g.step_in_backward is not None and ctx is not None and ctx.is_last_backward
+        self._downloaded: Any = None  # offload: the event of the copy to the host
         hsdp = g.replicate_group is not None
         plain = g.divide_factor is None and g.all_reduce_hook is None
         if g.world == 1 and not hsdp and plain and g.offload_policy is None:
@@ -108,6 +113,8 @@ class ReduceJob:
                 self.shards[sp.index] = out[offset : offset + sp.local_numel].view(sp.local_shape)
                 offset += sp.slot
         g.assign_grads(self.shards, self.used)
+        if self.steps and g.step_in_backward is not None:
+            g.step_in_backward.grads_ready(g, self._downloaded)
 
     def _download(self, out: torch.Tensor) -> torch.Tensor:
         """The reduced shards, copied to host memory (offload): the CPU gradients."""
@@ -119,6 +126,7 @@ class ReduceJob:
                 done.synchronize()  # added to CPU gradients now: they must have arrived
             else:
                 g.owner.context.downloads.append(done)  # waited for at the end of backward
+                self._downloaded = done
         return host
 
     def _all_reduce(self, out: torch.Tensor) -> bool:

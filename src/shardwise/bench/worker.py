@@ -42,6 +42,7 @@ class Job:
     spec: ModelSpec | None = None  # resolved by the parent; None: a GPT size
     offload: bool = False  # CPU offload (FSDP2's and shardwise's CPUOffloadPolicy)
     float8: bool = False  # torchao float8 training of the blocks' linears, fp8 all-gather
+    optimizer_in_backward: bool = False  # shardwise steps each module inside backward
 
 
 def _free_port() -> int:
@@ -98,6 +99,10 @@ def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
     # The fused AdamW on CUDA for every configuration: the fastest each can use
     # (offloaded, it steps on CPU, where torch has a fused AdamW too).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    if job.optimizer_in_backward:
+        from .. import optimizer_in_backward
+
+        optimizer_in_backward(model, opt)
     return model, opt
 
 

@@ -1,0 +1,231 @@
+"""``optimizer_in_backward``: the optimizer steps each module inside backward.
+
+Every check compares with one process that steps after backward as usual
+(same seed, whole batch, the same optimizer and LR schedule): the parameters
+must be the same, whether the steps run on the worker thread (offload) or
+inline, with microbatches, and after ``load_state_dict``. All checks run in
+one set of 2 processes; each test reads its own check's result.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import shardwise
+from dist_utils import run_distributed, run_named_checks
+from models import Net, batches, loss_fn
+from shardwise import fully_shard, optimizer_in_backward
+from test_core import assert_between_steps, global_mean
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def adamw(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """Two parameter groups (no decay on vectors) and a schedule that changes every step."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def sharded(ref: Net, offload: bool, keep_gathered: bool = False) -> Net:
+    model = copy.deepcopy(ref)
+    policy = shardwise.CPUOffloadPolicy() if offload else None
+    for stage in model.stages:  # the blocks checkpointing wraps
+        fully_shard(stage.a, offload_policy=policy)
+        fully_shard(stage.b, offload_policy=policy)
+    fully_shard(model.extra, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    if keep_gathered:  # kept gathered after backward: stale unless resharded after the step
+        model.extra.set_reshard_after_backward(False, recurse=False)
+    return model
+
+
+def train_and_compare(
+    rank: int, world: int, model: Net, ref: Net, micro: str, device: str = "cpu"
+) -> None:
+    """3 steps; step 1 in two microbatches, told apart by ``micro``."""
+    opt, sched = adamw(model)
+    ref_opt, ref_sched = adamw(ref)
+    handle = optimizer_in_backward(model, opt)
+    for step, idx in enumerate(batches(3)):
+        idx = idx.to(device)
+        mine = idx.chunk(world)[rank]
+        loss = torch.zeros((), device=device)
+        parts = mine.chunk(2) if step == 1 else [mine]
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            piece = loss_fn(model, part) / len(parts)
+            if micro == "is_last_backward":  # after a forward: the root context exists
+                model.set_is_last_backward(last)
+            elif micro == "gradient_sync":
+                model.set_requires_gradient_sync(last)
+            piece.backward()
+            loss += piece.detach()
+        assert_between_steps(model)
+        for name, p in model.named_parameters():
+            assert p.grad is None, f"{name}: a gradient left after the step in backward"
+        stepped = {n: p.full_tensor() for n, p in model.named_parameters()}
+        opt.step()  # the caller's step: nothing left to do for these parameters
+        for name, p in model.named_parameters():
+            assert torch.equal(p.full_tensor(), stepped[name]), f"{name} stepped twice"
+        opt.zero_grad()
+        sched.step()
+        want = loss_fn(ref, idx)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        torch.testing.assert_close(global_mean(loss), want.detach(), atol=1e-5, rtol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(
+                p.full_tensor().to(device), q, atol=1e-5, rtol=1e-5, msg=name
+            )
+    steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
+    assert steps == {3}, f"AdamW's step counts {steps}, expected 3 for every parameter"
+    for name, p in model.named_parameters():  # what checkpoints read: DTensors like p
+        for key in ("exp_avg", "exp_avg_sq"):
+            s = opt.state[p][key]
+            assert isinstance(s, DTensor) and s.placements == p.placements, (name, key)
+            assert s.shape == p.shape and s.to_local().shape == p.to_local().shape, (name, key)
+    handle.remove()
+
+
+def check_offload(rank: int, world: int, device: str = "cpu") -> None:
+    """Offloaded: the steps run on the worker thread; microbatches by set_is_last_backward.
+
+    Also on the GPUs (tests/test_cuda.py): gradients downloaded to pinned memory
+    while the thread steps the modules that arrived before.
+    """
+    torch.manual_seed(0)
+    ref = Net(d=16, ac="non-reentrant").to(device)
+    model = sharded(ref, offload=True)
+    train_and_compare(rank, world, model, ref, "is_last_backward", device)
+
+
+def check_inline(rank: int, world: int) -> None:
+    """Not offloaded: inline steps; microbatches without sync; a module kept gathered."""
+    torch.manual_seed(0)
+    ref = Net(d=16)
+    model = sharded(ref, offload=False, keep_gathered=True)
+    train_and_compare(rank, world, model, ref, "gradient_sync")
+
+
+class MyAdamW(torch.optim.AdamW):
+    """Not one of torch's own classes: stepped as DTensors, not as local shards."""
+
+
+def check_load_state_dict_and_remove(rank: int, world: int) -> None:
+    """A checkpoint loaded into the optimizer is what later steps continue from; an
+    optimizer class of the user's own steps the DTensors; after remove() the
+    gradients stay for the caller's step again."""
+    torch.manual_seed(0)
+    ref = Net(d=16)
+    model = sharded(ref, offload=True)
+    opt = MyAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    handle = optimizer_in_backward(model, opt)
+    first, second = batches(2)
+    loss_fn(model, first.chunk(world)[rank]).backward()
+    loss_fn(ref, first).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)  # a new state dict object: steps must use it
+    loss_fn(model, second.chunk(world)[rank]).backward()
+    loss_fn(ref, second).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
+    assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {2}
+    handle.remove()
+    loss_fn(model, first.chunk(world)[rank]).backward()
+    assert all(p.grad is not None for p in model.parameters()), "remove() left steps in backward"
+    shardwise.clip_grad_norm_(model.parameters(), 1.0)  # allowed again
+
+
+class Failing(torch.optim.SGD):
+    fail = False
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:
+        if self.fail:
+            raise ValueError("step failed on purpose")
+        super().step(closure)
+
+
+def check_errors(rank: int, world: int) -> None:
+    """Bad input: one clear error, nothing changed; a failing step raises from backward."""
+    torch.manual_seed(0)
+    ref = Net(d=16)
+    model = sharded(ref, offload=True)
+    opt, _ = adamw(model)
+    with pytest.raises(TypeError, match="is not sharded"):
+        optimizer_in_backward(ref, opt)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        optimizer_in_backward(model, object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LBFGS"):
+        optimizer_in_backward(model, torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(ValueError, match="none of the optimizer's parameters"):
+        optimizer_in_backward(model, torch.optim.SGD(ref.parameters(), lr=0.1))
+    assert all(s.group is None or s.group.step_in_backward is None for s in states(model))
+    handle = optimizer_in_backward(model, opt)
+    with pytest.raises(RuntimeError, match="already step inside backward"):
+        optimizer_in_backward(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    idx = batches(1)[0].chunk(world)[rank]
+    loss_fn(model, idx).backward()
+    before = {n: p.full_tensor() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="step inside backward"):
+        shardwise.clip_grad_norm_(model.parameters(), 1.0)
+    handle.remove()
+
+    failing = Failing(model.parameters(), lr=0.1)
+    handle = optimizer_in_backward(model, failing)
+    failing.fail = True
+    with pytest.raises(ValueError, match="step failed on purpose"):
+        loss_fn(model, idx).backward()
+    assert_between_steps(model)  # the error came after the clean-up
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), before[name]), f"{name} changed by a failed step"
+    failing.fail = False
+    model.zero_grad()
+    loss_fn(model, idx).backward()  # usable again: this one steps
+    assert any(not torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    handle.remove()
+
+
+def states(model: nn.Module) -> list:
+    return [m._shardwise_state for m in model.modules() if isinstance(m, shardwise.FSDPModule)]
+
+
+CHECKS: dict[str, Callable[[int, int], None]] = {
+    "offloaded, worker thread, set_is_last_backward": check_offload,
+    "inline, gradient sync off, kept gathered": check_inline,
+    "load_state_dict and remove": check_load_state_dict_and_remove,
+    "bad input and a failing step": check_errors,
+}
+
+
+def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
+    return run_named_checks(CHECKS, rank, world, names)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str | None]:
+    per_rank = run_distributed(run_checks, 2, list(CHECKS), timeout=200)
+    return {n: next((r[n] for r in per_rank if r[n]), None) for n in CHECKS}
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_optimizer_in_backward(results: dict, name: str) -> None:
+    assert results[name] is None, f"{name}:\n{results[name]}"
