@@ -212,6 +212,9 @@ def test_sweep_of_a_size_and_an_hf_model_compiled_with_their_checkpointing(
         assert r["step_ms"] > 0 and math.isfinite(r["loss"])
         # shardwise's timeline of one more step: compute waited less than a step.
         assert 0 <= r["exposed_comm_ms"] < r["step_ms"] and 0 <= r["prefetch_hit_rate"] <= 1
+        # One rank communicates nothing: no wait to split by collective and module
+        # (tests/test_debug.py checks the split at two ranks).
+        assert r["exposed_by_ms"] == {} and r["exposed_comm_ms"] == 0
         assert r["params"] == sum(p.numel() for p in model.parameters())
         m = r["memory"]
         # One rank, fp32 (the Llama too, though its config says bf16): the flat

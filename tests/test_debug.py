@@ -104,6 +104,10 @@ def test_trace_of_one_step_holds_the_expected_events(tmp_path: Path) -> None:
     s = res["summary"]
     assert s["collectives"] == {"all_gather": 7, "reduce_scatter": 4}
     assert s["bytes"]["all_gather"] > 0 and s["exposed_comm_s"] >= 0
+    # The exposed time, split by collective and module, adds up to the total.
+    assert sum(s["exposed_by"].values()) == pytest.approx(s["exposed_comm_s"])
+    kinds = {k.split(" ")[0] for k in s["exposed_by"]}
+    assert kinds and kinds <= {"all_gather", "reduce_scatter"}, s["exposed_by"]
     assert s["prefetch_hit_rate"] == 1.0 and s["prefetch_hits"] == 5  # 3 fwd + 2 bwd (+2 first)
     assert res["ranks"] == [0, 1]
     trace = json.loads((tmp_path / "timeline.json").read_text())

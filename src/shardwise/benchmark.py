@@ -281,6 +281,8 @@ def _run_group(jobs: list[Job], rounds: int) -> list[dict[str, Any]]:
             row["traced_step_ms"] = timeline["traced_step_s"] * 1e3
             row["exposed_comm_pct"] = 100 * timeline["exposed_comm_s"] / timeline["traced_step_s"]
             row["prefetch_hit_rate"] = timeline["prefetch_hit_rate"]
+            # The largest exposed waits: "<collective> <module>" -> ms.
+            row["exposed_by_ms"] = {k: v * 1e3 for k, v in timeline["exposed_by_s"].items()}
         if job.device == "cuda":
             row["peak_reserved_gib"] = worst["peak_reserved_bytes"] / 2**30
             row["mfu"] = flops_per_token(row["params"], spec) * tokens / job.nproc / H200_BF16_PEAK

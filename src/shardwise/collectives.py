@@ -54,14 +54,19 @@ def add_observer(fn: Observer) -> Callable[[], None]:
 class Pending:
     """An issued collective. ``wait()`` is idempotent; ``then`` runs after it."""
 
-    __slots__ = ("_work", "_then", "label", "done", "on_done")
+    __slots__ = ("_work", "_then", "label", "kind", "done", "on_done")
 
     def __init__(
-        self, work: Any, then: Callable[[], object] | None = None, label: str = ""
+        self,
+        work: Any,
+        then: Callable[[], object] | None = None,
+        label: str = "",
+        kind: str = "",
     ) -> None:
         self._work = work
         self._then = then
         self.label = label
+        self.kind = kind  # "all_gather", "reduce_scatter", ...: which wait was exposed
         self.done = False
         self.on_done: list[Callable[[Pending], None]] = []
 
@@ -74,7 +79,7 @@ class Pending:
             self._work.wait()
         if tracer is not None:
             # How long compute waited for this collective: exposed communication.
-            tracer.span("wait", self.label, start, tracer.now())
+            tracer.span("wait", self.label, start, tracer.now(), kind=self.kind)
         if self._then is not None:
             self._then()
         self.done = True
@@ -111,7 +116,7 @@ def all_gather(
         work = _all_gather(output, input, group=group, async_op=True)
     else:
         work = comm(output_tensor=output, input_tensor=input, group=group, async_op=True)
-    p = Pending(work, label=label)
+    p = Pending(work, label=label, kind="all_gather")
     _notify("all_gather", output, dist.get_world_size(group), label, p)
     return p
 
@@ -147,7 +152,7 @@ def reduce_scatter(
             async_op=True,
         )
     then = None if divide_by is None else (lambda: output.div_(divide_by))
-    p = Pending(work, then=then, label=label)
+    p = Pending(work, then=then, label=label, kind="reduce_scatter")
     _notify("reduce_scatter", input, n, label, p)
     return p
 
@@ -159,7 +164,7 @@ def all_reduce(
     n = dist.get_world_size(group)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     then = None if divide_by is None else (lambda: tensor.div_(divide_by))
-    p = Pending(work, then=then, label=label)
+    p = Pending(work, then=then, label=label, kind="all_reduce")
     _notify("all_reduce", tensor, n, label, p)
     return p
 

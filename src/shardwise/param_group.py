@@ -404,7 +404,7 @@ class ParamGroup:
                 return
             with collectives.side_stream("gather", self.device):  # the upload, beside compute
                 self.unsharded_flat.copy_(self.flat.to(self.device, non_blocking=True))
-                self._pending = collectives.Pending(offload.Uploaded(self.device))
+                self._pending = collectives.Pending(offload.Uploaded(self.device), kind="upload")
             self._gather_out = self.unsharded_flat
             self.state = GroupState.GATHERING
             return

@@ -4,7 +4,8 @@
         loss = model(x).sum(); loss.backward()
     t.save_chrome_trace("timeline.json")   # chrome://tracing or ui.perfetto.dev
     t.plot("timeline.png")
-    t.summary()                            # counts, bytes, exposed_comm_s, prefetch_hit_rate
+    t.summary()                            # counts, bytes, exposed_comm_s (and by module),
+                                           # prefetch_hit_rate
 
 Why our own timeline: torch's profiler shows kernels, not why a module was
 gathered (its own need or a prefetch), whether that prefetch arrived in time,
@@ -156,7 +157,13 @@ class Tracer:
             if ev.track == "comm":
                 counts[ev.name] += 1
                 nbytes[ev.name] += ev.nbytes
-        exposed = sum(ev.end - ev.start for ev in evs if ev.name == "wait")
+        waits = [ev for ev in evs if ev.name == "wait"]
+        exposed = sum(ev.end - ev.start for ev in waits)
+        # Where the exposed time went: which collective of which module.
+        by: dict[str, float] = {}
+        for ev in waits:
+            key = f"{ev.args.get('kind') or 'wait'} {ev.module}"
+            by[key] = by.get(key, 0.0) + ev.end - ev.start
         hits = sum(1 for ev in evs if ev.name == "prefetch_hit")
         misses = sum(1 for ev in evs if ev.name == "prefetch_miss")
         span = (max(ev.end for ev in evs) - min(ev.start for ev in evs)) if evs else 0.0
@@ -164,6 +171,8 @@ class Tracer:
             "collectives": dict(counts),
             "bytes": dict(nbytes),
             "exposed_comm_s": exposed,
+            # "<collective> <module>": seconds, largest first
+            "exposed_by": dict(sorted(by.items(), key=lambda kv: -kv[1])),
             "wall_s": span,
             "prefetch_hits": hits,
             "prefetch_misses": misses,

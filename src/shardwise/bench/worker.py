@@ -143,6 +143,7 @@ def _traced_step(job: Job, step: Callable[[], None], opt: Any) -> dict[str, Any]
     s = t.summary()
     return {
         "exposed_comm_s": s["exposed_comm_s"],
+        "exposed_by_s": dict(list(s["exposed_by"].items())[:8]),  # the largest waits
         "traced_step_s": wall,
         "prefetch_hit_rate": s["prefetch_hit_rate"],
     }
