@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 import shardwise
 from dist_utils import run_distributed, run_named_checks
-from models import Net, batches, loss_fn
+from models import Block, Net, batches, loss_fn
 from shardwise import fully_shard, optimizer_in_backward
 from test_core import assert_between_steps, global_mean
 
@@ -57,6 +58,9 @@ def train_and_compare(
     opt, sched = adamw(model)
     ref_opt, ref_sched = adamw(ref)
     handle = optimizer_in_backward(model, opt)
+    calls = []  # the caller's step hooks fire once per caller's step, not per module
+    opt.register_step_pre_hook(lambda *args: calls.append("pre"))
+    opt.register_step_post_hook(lambda *args: calls.append("post"))
     for step, idx in enumerate(batches(3)):
         idx = idx.to(device)
         mine = idx.chunk(world)[rank]
@@ -92,6 +96,7 @@ def train_and_compare(
             )
     steps = {int(s["step"]) for s in opt.state_dict()["state"].values()}
     assert steps == {3}, f"AdamW's step counts {steps}, expected 3 for every parameter"
+    assert calls == ["pre", "post"] * 3, calls
     for name, p in model.named_parameters():  # what checkpoints read: DTensors like p
         for key in ("exp_avg", "exp_avg_sq"):
             s = opt.state[p][key]
@@ -133,7 +138,7 @@ def check_load_state_dict_and_remove(rank: int, world: int) -> None:
     model = sharded(ref, offload=True)
     opt = MyAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    handle = optimizer_in_backward(model, opt)
+    handle = optimizer_in_backward(model, opt, separable=True)
     first, second = batches(2)
     loss_fn(model, first.chunk(world)[rank]).backward()
     loss_fn(ref, first).backward()
@@ -164,8 +169,24 @@ class Failing(torch.optim.SGD):
         super().step(closure)
 
 
+class NormSGD(torch.optim.Optimizer):
+    """Each parameter moves by its own normalised gradient: separable, but the norm
+    of a DTensor gradient is a collective, so it must not run on the worker thread."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-3), alpha=-group["lr"])
+
+
 def check_errors(rank: int, world: int) -> None:
-    """Bad input: one clear error, nothing changed; a failing step raises from backward."""
+    """Bad input: one clear error, nothing changed; a failing step raises from backward
+    after the clean-up, and every module keeps its gradients."""
     torch.manual_seed(0)
     ref = Net(d=16)
     model = sharded(ref, offload=True)
@@ -176,11 +197,15 @@ def check_errors(rank: int, world: int) -> None:
         optimizer_in_backward(model, object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LBFGS"):
         optimizer_in_backward(model, torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(TypeError, match="pass separable=True"):
+        optimizer_in_backward(model, NormSGD(model.parameters()))
     with pytest.raises(ValueError, match="none of the optimizer's parameters"):
         optimizer_in_backward(model, torch.optim.SGD(ref.parameters(), lr=0.1))
     assert all(s.group is None or s.group.step_in_backward is None for s in states(model))
     handle = optimizer_in_backward(model, opt)
-    with pytest.raises(RuntimeError, match="already step inside backward"):
+    with pytest.raises(RuntimeError, match="already step inside backward with this optimizer"):
+        optimizer_in_backward(model, opt)
+    with pytest.raises(RuntimeError, match="with another optimizer"):
         optimizer_in_backward(model, torch.optim.SGD(model.parameters(), lr=0.1))
     idx = batches(1)[0].chunk(world)[rank]
     loss_fn(model, idx).backward()
@@ -190,17 +215,119 @@ def check_errors(rank: int, world: int) -> None:
     handle.remove()
 
     failing = Failing(model.parameters(), lr=0.1)
-    handle = optimizer_in_backward(model, failing)
+    handle = optimizer_in_backward(model, failing, separable=True)
     failing.fail = True
     with pytest.raises(ValueError, match="step failed on purpose"):
         loss_fn(model, idx).backward()
     assert_between_steps(model)  # the error came after the clean-up
     for name, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), before[name]), f"{name} changed by a failed step"
+        assert p.grad is not None, f"{name} lost its gradient to a failed step"
     failing.fail = False
     model.zero_grad()
     loss_fn(model, idx).backward()  # usable again: this one steps
     assert any(not torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    handle.remove()
+
+
+def check_two_forwards_and_separable(rank: int, world: int) -> None:
+    """Two forwards, one backward: a module reduced once per forward steps once, at
+    the end. A separable optimizer whose step communicates, offloaded, steps on the
+    autograd thread (on the worker its norms would interleave with the backward's
+    collectives)."""
+    for make in (
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        lambda params: NormSGD(params, lr=0.05),
+    ):
+        torch.manual_seed(0)
+        ref = Net(d=16)
+        model = sharded(ref, offload=True)
+        opt, ref_opt = make(model.parameters()), make(ref.parameters())
+        handle = optimizer_in_backward(model, opt, separable=True)
+        for idx in batches(2):
+            first, second = idx.chunk(world)[rank].chunk(2)
+            (loss_fn(model, first) + loss_fn(model, second)).backward()
+            assert_between_steps(model)
+            half, other = idx.chunk(2 * world)[2 * rank : 2 * rank + 2]
+            assert torch.equal(half, first) and torch.equal(other, second)
+            # The reference: the same two losses per rank, averaged over the ranks.
+            pieces = idx.chunk(2 * world)
+            want = sum(
+                loss_fn(ref, pieces[2 * r]) + loss_fn(ref, pieces[2 * r + 1]) for r in range(world)
+            )
+            (want / world).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert p.grad is None, name
+                torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
+        if isinstance(opt, torch.optim.AdamW):
+            assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {2}
+        handle.remove()
+
+
+class Twice(nn.Module):
+    """One block in two reentrant-checkpointed regions, another between them."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, d)
+        self.blk = Block(d)
+        self.mid = Block(d)
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for m in (self.blk, self.mid, self.blk):
+            x = checkpoint(m, x, use_reentrant=True)
+        return self.head(x)
+
+
+def check_refusals_in_backward(rank: int, world: int) -> None:
+    """A module needed again after it stepped is refused, not stepped twice; a backward
+    that raised steps none of the reductions still pending, and the caller's next use
+    of the optimizer cleans it up."""
+    torch.manual_seed(0)
+    model = Twice()
+    for m in (model.blk, model.mid, model):
+        fully_shard(m)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = optimizer_in_backward(model, opt)
+    idx = batches(1)[0].chunk(world)[rank]
+    with pytest.raises(RuntimeError, match="needed again in the backward that already stepped"):
+        loss_fn(model, idx).backward()
+    model.reset_iter_state()
+    handle.remove()
+
+    # The error is raised at the gradient of stages.0.b's output. By then
+    # stages.1.a's post-backward has run (its autograd node came later in
+    # forward), so its reduction is the one still in flight: it must not step.
+    torch.manual_seed(0)
+    model = sharded(Net(d=16), offload=False)
+    opt, _ = adamw(model)
+    handle = optimizer_in_backward(model, opt)
+    before = {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward failed on purpose")
+
+    def arm(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(boom)
+
+    model.stages[0].b.register_forward_hook(arm)
+    with pytest.raises(ValueError, match="backward failed on purpose"):
+        loss_fn(model, idx).backward()
+    opt.state_dict()  # the caller's next use of the optimizer settles the failed backward
+    ctx = model.fsdp_context
+    assert ctx is not None and ctx.phase is shardwise.Phase.IDLE and not ctx.pending_reduces
+    stepped = {
+        n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), before[n])
+    }
+    want = {n for n, _ in model.named_parameters() if n.startswith(("extra.", "stages.1.b."))}
+    assert stepped == want, sorted(stepped ^ want)
+    for name, p in model.named_parameters():
+        if name.startswith("stages.1.a."):
+            assert p.grad is not None, f"{name}: the pending reduction lost its gradient"
     handle.remove()
 
 
@@ -213,6 +340,8 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "inline, gradient sync off, kept gathered": check_inline,
     "load_state_dict and remove": check_load_state_dict_and_remove,
     "bad input and a failing step": check_errors,
+    "two forwards, and a separable optimizer offloaded": check_two_forwards_and_separable,
+    "refused in backward: stepped twice, a failed backward": check_refusals_in_backward,
 }
 
 

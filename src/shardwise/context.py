@@ -129,6 +129,9 @@ class FSDPContext:
         # and every module stepped in this backward (resharded at its end).
         self.steps: list[Future[None]] = []
         self.stepped: list[ParamGroup] = []
+        self.deferred: list[ParamGroup] = []  # to step at the end (several forwards)
+        self.step_error: BaseException | None = None  # the first step that failed
+        self.forwards = 0  # forwards with grad since the last backward ended
         self.events: deque[str] = deque(maxlen=32)
         self.check = any(s.check for s in states)
         self.fwd = Recording()
@@ -165,6 +168,8 @@ class FSDPContext:
             self.post_optim_event = None
         self.fwd.start()
         self._in_forward = True
+        if torch.is_grad_enabled():
+            self.forwards += 1
         tracer = active_trace()
         if tracer is not None:
             tracer.begin("forward", "")
@@ -268,14 +273,23 @@ class FSDPContext:
     def wait_steps(self, raise_error: bool = True) -> None:
         """optimizer_in_backward: wait until every module stepped, then reshard the
         stepped ones (a module kept gathered would hold the parameters from before
-        its step). The first step that raised is raised here."""
-        steps, self.steps = self.steps, []
-        errors = [e for f in steps if (e := f.exception()) is not None]
+        its step). The first step that raised is raised here; the modules after it
+        kept their gradients."""
+        if raise_error:
+            for group in self.deferred:  # several forwards: every reduction is done now
+                assert group.step_in_backward is not None
+                group.step_in_backward.start(group, None)
+        self.deferred = []
+        self.forwards = 0
+        for f in self.steps:
+            f.result()  # the worker records errors in step_error, never raises
+        self.steps = []
         for group in self.stepped:
             group.reshard()
         self.stepped = []
-        if errors and raise_error:
-            raise errors[0]
+        error, self.step_error = self.step_error, None
+        if error is not None and raise_error:
+            raise error
 
     def _final_callback(self) -> None:
         """End of backward: every reduction done, every module sharded and IDLE.
@@ -291,7 +305,7 @@ class FSDPContext:
         error: BaseException | None = None
         try:
             self.wait_steps()
-        except Exception as e:  # noqa: BLE001 - raised after the clean-up below
+        except BaseException as e:  # noqa: BLE001 - raised after the clean-up below
             error = e
         if self.check and error is None:
             from .check import check_backward_end

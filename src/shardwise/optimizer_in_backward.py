@@ -1,13 +1,12 @@
 """The optimizer steps each module's shards inside backward, as their gradients arrive.
 
-Why: with CPU offload the optimizer runs on the host, where AdamW is bound by
-memory bandwidth (it reads and writes 28 bytes per fp32 parameter). Run after
-backward it is the largest part of an offloaded step (docs/benchmarks.md).
-Stepped module by module as soon as a module's gradients are on the host, on
-a worker thread while the GPU runs the rest of backward, much of it hides
-behind compute. Without offload a module steps on the GPU right after its
-reduction, and its gradients are freed there: the whole model's gradients
-are never alive at once.
+Why: without offload a module steps on the GPU right after its reduction,
+and its gradients are freed there, so the whole model's gradients are never
+alive at once (7B on one H200: 0.77x FSDP2's peak). With CPU offload a
+module steps on a worker thread as soon as its gradients are on the host,
+beside the GPU's backward. That does not make the step faster on the lent
+machines: the host AdamW and the PCIe copies share the host's memory
+bandwidth (docs/benchmarks.md, session 6).
 
 Why opt-in: the step happens inside ``loss.backward()``, so nothing can read
 or change the gradients between backward and step. No clipping over all of
@@ -18,15 +17,23 @@ parameters (it still steps any others, and its step hooks fire there, once).
 Every backward that reduces gradients steps them, unless
 ``set_is_last_backward(False)`` or ``set_requires_gradient_sync(False)`` said
 more microbatches follow: then the gradients are summed and the last
-backward steps once. A backward that raises has stepped the modules whose
-gradients were complete before the error.
+backward steps once. Several forwards before one backward step each module
+once, at the end. A module needed again in the backward that stepped it (one
+block in two reentrant-checkpointed regions) is refused with an error. A
+backward that raises has stepped the modules whose reductions had finished;
+the others keep their gradients, and the caller's next use of the optimizer
+or of a state dict cleans up (so does ``reset_iter_state``). A step that
+raises is raised from backward after the clean-up; the modules after it keep
+their gradients.
 
 How a subset is stepped: a shadow of the caller's optimizer (same class, the
 same state, its hyperparameters read anew at every step so that LR schedulers
 apply) whose parameter groups hold one module's parameters. Its ``step`` is
 the optimizer class's own, without the caller's step hooks. torch's
 elementwise optimizers (AdamW, SGD, ...) step the local shards as plain
-tensors (``_step_locals`` says why); any other steps the DTensors.
+tensors (``_step_locals`` says why), on the worker thread when offloaded. Any
+other class must be declared ``separable`` and steps the DTensors on the
+autograd thread, since its step may communicate.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .context import Phase
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -58,15 +68,34 @@ def _worker() -> ThreadPoolExecutor:
 class OptimizerInBackward:
     """The handle ``optimizer_in_backward`` returns; ``remove()`` restores the usual step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[ParamGroup]) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[ParamGroup]
+    ) -> None:
         self.optimizer = optimizer
         self.groups = groups
+        # Only steps that issue no collective may leave the autograd thread: a
+        # DTensor step (a norm, a redistribute) would interleave its collectives
+        # with the backward's, in a different order on each rank.
+        self.threaded = type(optimizer) in ELEMENTWISE
         for g in groups:
             g.step_in_backward = self
             for sp in g.params:
                 setattr(sp.sharded, MARK, True)
+        # A backward that raised leaves steps queued on the worker: whatever the
+        # caller does next with the optimizer or the state waits for them first.
+        settle = lambda *args, **kwargs: self.settle()  # noqa: E731
+        self._hooks = [
+            optimizer.register_step_pre_hook(settle),
+            optimizer.register_state_dict_pre_hook(settle),
+            optimizer.register_load_state_dict_pre_hook(settle),
+            model.register_state_dict_pre_hook(settle),
+        ]
 
     def remove(self) -> None:
+        self.settle()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         for g in self.groups:
             if g.step_in_backward is self:
                 g.step_in_backward = None
@@ -75,21 +104,66 @@ class OptimizerInBackward:
                         delattr(sp.sharded, MARK)
         self.groups = []
 
+    def settle(self) -> None:
+        """Outside autograd, a context still in BACKWARD belongs to a backward that
+        raised: clean it up now (it waits for the worker) rather than at the next forward."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        for ctx in {id(c): c for g in self.groups if (c := g.owner.context)}.values():
+            if ctx.phase is Phase.BACKWARD:
+                ctx.abandon_backward()
+
     def grads_ready(self, group: ParamGroup, download: Any) -> None:
         """``group``'s gradients are assigned (``download``: the event of their copy to
-        the host, or None): step it now, or on the worker thread if it is offloaded."""
+        the host, or None): step it now, or on the worker thread."""
         ctx = group.owner.context
         assert ctx is not None
-        ctx.stepped.append(group)
-        if group.offload_policy is None:
-            self._step(group, None)
-        else:
-            ctx.steps.append(_worker().submit(self._step, group, download))
+        if ctx.forwards > 1:
+            # Several forwards before this backward: a module may be reduced once
+            # per forward, so it steps at the end, when its gradients are whole.
+            if group not in ctx.deferred:
+                ctx.deferred.append(group)
+            return
+        self.start(group, download)
 
-    def _step(self, group: ParamGroup, download: Any) -> None:
-        if download is not None:
-            download.synchronize()
-        mine = {id(sp.sharded) for sp in group.params if sp.sharded.grad is not None}
+    def start(self, group: ParamGroup, download: Any) -> None:
+        ctx = group.owner.context
+        assert ctx is not None
+        # The gradients as they are now: a caller's zero_grad after a failed
+        # backward must not change what a queued step applies.
+        grads = [
+            (sp.sharded, sp.sharded.grad) for sp in group.params if sp.sharded.grad is not None
+        ]
+        ctx.stepped.append(group)
+        if self.threaded and group.offload_policy is not None:
+            ctx.steps.append(_worker().submit(self._run, ctx, grads, download))
+        else:
+            self._run(ctx, grads, download)
+
+    def check_not_stepped(self, group: ParamGroup) -> None:
+        """Refuse to gather a module again in the backward that stepped it."""
+        ctx = group.owner.context
+        if ctx is not None and ctx.phase is Phase.BACKWARD and group in ctx.stepped:
+            raise RuntimeError(
+                f"module {group.label!r} is needed again in the backward that already "
+                "stepped it (optimizer_in_backward): it runs in two reentrant-checkpointed "
+                "regions, so its gradients would be computed with stepped parameters; use "
+                "use_reentrant=False there, or remove() the handle"
+            )
+
+    def _run(self, ctx: Any, grads: list[tuple[Any, Any]], download: Any) -> None:
+        """Step one module; after a failure the rest of this backward keeps its gradients."""
+        if ctx.step_error is not None:
+            return
+        try:
+            if download is not None:
+                download.synchronize()
+            self._step(grads)
+        except BaseException as e:  # noqa: BLE001 - raised at the end of backward
+            ctx.step_error = e
+
+    def _step(self, grads: list[tuple[Any, Any]]) -> None:
+        mine = {id(p): g for p, g in grads}
         opt = self.optimizer
         param_groups = []
         for pg in opt.param_groups:
@@ -98,8 +172,8 @@ class OptimizerInBackward:
                 param_groups.append({**pg, "params": params})
         if not param_groups:
             return
-        if type(opt) in ELEMENTWISE:
-            _step_locals(opt, param_groups)
+        if self.threaded:
+            _step_locals(opt, param_groups, mine)
         else:
             _shadow(opt, param_groups, opt.state).step()
         for pg in param_groups:
@@ -141,14 +215,18 @@ def _shadow(opt: torch.optim.Optimizer, param_groups: list[dict[str, Any]], stat
     return shadow
 
 
-def _step_locals(opt: torch.optim.Optimizer, param_groups: list[dict[str, Any]]) -> None:
+def _step_locals(
+    opt: torch.optim.Optimizer, param_groups: list[dict[str, Any]], grads: dict[int, Any]
+) -> None:
     """Step the local shards as plain tensors.
 
     Why not the DTensors: DTensor dispatches in Python and holds the GIL for the
     whole kernel, so the worker thread would stall the backward's hooks for the
     length of every step. The optimizer state stays DTensors (checkpoints see
     no difference): the plain tensors stepped here are views of them, and state
-    the step creates is wrapped back with the parameter's spec.
+    the step creates is wrapped back with the parameter's spec. Stepping views
+    does not bump the DTensors' versions; nothing needs it to, since every
+    stepped module is resharded before its next gather (``wait_steps``).
     """
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     pairs = []
@@ -157,7 +235,7 @@ def _step_locals(opt: torch.optim.Optimizer, param_groups: list[dict[str, Any]])
         params = []
         for p in pg["params"]:
             lp = _local(p).detach()
-            lp.grad = _local(p.grad)
+            lp.grad = _local(grads[id(p)])
             if p in opt.state:
                 state[lp] = {k: _local(v) for k, v in opt.state[p].items()}
             pairs.append((p, lp))
@@ -172,7 +250,9 @@ def _step_locals(opt: torch.optim.Optimizer, param_groups: list[dict[str, Any]])
             if old is not None and _local(old) is v:
                 after[k] = old  # updated in place
             elif isinstance(v, torch.Tensor) and isinstance(p, DTensor) and _like(v, lp, k):
-                after[k] = DTensor(v, p._spec, requires_grad=False)  # type: ignore[attr-defined]
+                meta = TensorMeta(p.shape, p.stride(), v.dtype)
+                spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=meta)
+                after[k] = DTensor(v, spec, requires_grad=False)
             else:
                 after[k] = v
         opt.state[p] = after
@@ -189,13 +269,18 @@ def _like(v: torch.Tensor, local_param: torch.Tensor, key: str) -> bool:
 
 
 def optimizer_in_backward(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, separable: bool = False
 ) -> OptimizerInBackward:
     """Step ``optimizer`` inside backward, module by module, as gradients arrive.
 
     For the parameters of every module sharded under ``model`` (call it after
-    ``fully_shard``); see this module's docstring for what changes for the
-    caller. Returns a handle whose ``remove()`` restores the usual step.
+    ``fully_shard``); this module's docstring says what changes for the caller.
+    torch's elementwise optimizers (``ELEMENTWISE``: AdamW, SGD, ...) are
+    accepted as they are. Any other class must update each parameter from
+    that parameter's own gradient and state alone, with nothing shared across
+    parameters (no global norm, no statistic summed over a parameter group);
+    say so with ``separable=True``. Returns a handle whose ``remove()``
+    restores the usual step.
     """
     from .fsdp_module import FSDPModule
 
@@ -213,6 +298,13 @@ def optimizer_in_backward(
             "optimizer_in_backward: LBFGS re-evaluates the model in its step (a closure); "
             "it cannot step inside backward"
         )
+    if type(optimizer) not in ELEMENTWISE and not separable:
+        raise TypeError(
+            f"optimizer_in_backward: {type(optimizer).__name__} is not one of torch's "
+            "elementwise optimizers, and stepping it one module at a time is only right if "
+            "its step updates each parameter from that parameter's gradient and state alone; "
+            "if it does, pass separable=True"
+        )
     ids = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
     groups = [
         g for g in model._groups(recurse=True) if any(id(sp.sharded) in ids for sp in g.params)
@@ -223,10 +315,12 @@ def optimizer_in_backward(
             f"sharded under {type(model).__name__}; build the optimizer on "
             "model.parameters() after fully_shard"
         )
-    taken = [g.label for g in groups if g.step_in_backward is not None]
+    taken = [g for g in groups if g.step_in_backward is not None]
     if taken:
+        same = all(g.step_in_backward.optimizer is optimizer for g in taken)
         raise RuntimeError(
-            f"optimizer_in_backward: module(s) {', '.join(map(repr, taken))} already step inside "
-            "backward with another optimizer; call remove() on that handle first"
+            f"optimizer_in_backward: {len(taken)} of these modules already step inside backward "
+            + ("with this optimizer" if same else "with another optimizer")
+            + "; call remove() on that handle first"
         )
-    return OptimizerInBackward(optimizer, groups)
+    return OptimizerInBackward(model, optimizer, groups)

@@ -386,6 +386,8 @@ class ParamGroup:
         """Issue this group's all-gather (async); ``wait_unsharded`` finishes it."""
         if self.state is not GroupState.SHARDED:
             return
+        if self.step_in_backward is not None:
+            self.step_in_backward.check_not_stepped(self)
         self._ensure_packed()
         if self.aliased:
             self.state = GroupState.UNSHARDED
