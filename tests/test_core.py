@@ -587,23 +587,29 @@ def test_a_module_used_several_times_reduces_once_and_matches() -> None:
 
 
 def kept_gathered_steps_worker(rank: int, world: int) -> None:
-    """Modules kept gathered across optimizer steps must see the updated weights."""
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    shard_net(model, {"raf": False})
-    model.set_reshard_after_backward(False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    for step, idx in enumerate(batches(3)):
-        loss = loss_fn(model, idx.chunk(world)[rank])
-        loss.backward()
-        if step == 0:
-            assert model.extra._shardwise_state.group.state is GroupState.UNSHARDED
-        opt.step()  # the optimizer holds the sharded parameters: it updates the shards
-        opt.zero_grad()
-        ref_loss = reference_step(ref, ref_opt, idx)
-        torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
+    """Modules kept gathered across optimizer steps must see the updated weights,
+    also after foreach and fused steps, which bump no DTensor version counter."""
+    makers = [
+        lambda params: torch.optim.SGD(params, lr=0.5),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+        lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+    ]
+    for make in makers:
+        torch.manual_seed(0)
+        ref = Net()
+        model = copy.deepcopy(ref)
+        shard_net(model, {"raf": False})
+        model.set_reshard_after_backward(False)
+        opt, ref_opt = make(model.parameters()), make(ref.parameters())
+        for step, idx in enumerate(batches(3)):
+            loss = loss_fn(model, idx.chunk(world)[rank])
+            loss.backward()
+            if step == 0:
+                assert model.extra._shardwise_state.group.state is GroupState.UNSHARDED
+            opt.step()  # the optimizer holds the sharded parameters: it updates the shards
+            opt.zero_grad()
+            ref_loss = reference_step(ref, ref_opt, idx)
+            torch.testing.assert_close(global_mean(loss), ref_loss, atol=1e-5, rtol=1e-5)
 
 
 def test_kept_gathered_modules_see_optimizer_updates() -> None:

@@ -299,6 +299,20 @@ def check_refusals_in_backward(rank: int, world: int) -> None:
     model.reset_iter_state()
     handle.remove()
 
+    # A sharded child called on its own before the root: two graphs, so every
+    # module steps once, at the end (not refused, not stepped twice).
+    torch.manual_seed(0)
+    model = sharded(Net(d=16), offload=False)
+    loss_fn(model, idx).backward()  # the root is known once it ran
+    model.zero_grad()
+    opt, _ = adamw(model)
+    handle = optimizer_in_backward(model, opt)
+    aux = model.extra(torch.randn(2, 3, 16)).pow(2).mean()
+    (aux + loss_fn(model, idx)).backward()
+    assert_between_steps(model)
+    assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {1}
+    handle.remove()
+
     # The error is raised at the gradient of stages.0.b's output. By then
     # stages.1.a's post-backward has run (its autograd node came later in
     # forward), so its reduction is the one still in flight: it must not step.

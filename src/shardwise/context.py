@@ -168,8 +168,8 @@ class FSDPContext:
             self.post_optim_event = None
         self.fwd.start()
         self._in_forward = True
-        if torch.is_grad_enabled():
-            self.forwards += 1
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.forwards += 1  # not a recomputation inside backward: a graph of its own
         tracer = active_trace()
         if tracer is not None:
             tracer.begin("forward", "")
@@ -178,7 +178,11 @@ class FSDPContext:
         """Record that ``state`` runs its forward now; return what to prefetch
         from the recorded order (None: no recorded order yet, use the static one)."""
         if not self._in_forward:
-            return []  # a sharded child called on its own: record nothing, prefetch nothing
+            # A sharded child called on its own: record nothing, prefetch nothing.
+            # Its graph is one more forward before the next backward.
+            if torch.is_grad_enabled() and self.phase is not Phase.BACKWARD:
+                self.forwards += 1
+            return []
         return self.fwd.needs(state)
 
     def end_forward(self) -> None:

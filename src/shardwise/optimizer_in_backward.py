@@ -38,6 +38,7 @@ autograd thread, since its step may communicate.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -107,8 +108,10 @@ class OptimizerInBackward:
     def settle(self) -> None:
         """Outside autograd, a context still in BACKWARD belongs to a backward that
         raised: clean it up now (it waits for the worker) rather than at the next forward."""
-        if torch._C._current_graph_task_id() != -1:
-            return
+        if torch._C._current_graph_task_id() != -1 or (
+            threading.current_thread() is not threading.main_thread()
+        ):
+            return  # inside a backward, or another thread (a logger) while one may run
         for ctx in {id(c): c for g in self.groups if (c := g.owner.context)}.values():
             if ctx.phase is Phase.BACKWARD:
                 ctx.abandon_backward()
@@ -212,6 +215,7 @@ def _shadow(opt: torch.optim.Optimizer, param_groups: list[dict[str, Any]], stat
     shadow._optimizer_step_post_hooks = OrderedDict()
     shadow.param_groups = param_groups
     shadow.state = state
+    shadow.__dict__["_shardwise_shadow"] = True  # not a caller's step (param_group.py counts those)
     return shadow
 
 

@@ -58,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import collectives, offload
 from .extensions import Extension, PackedGather, has_hooks
@@ -76,6 +77,23 @@ class GroupState(Enum):
     SHARDED = auto()
     GATHERING = auto()  # all-gather issued, not yet waited for
     UNSHARDED = auto()
+
+
+STEPS = "_shardwise_steps"  # on a parameter: how many optimizer steps updated it
+
+
+def _count_optimizer_step(optimizer: Any, *args: Any) -> None:
+    """Count the step on each of its parameters (``ParamGroup.stale``). Not
+    optimizer_in_backward's own steps: they run mid-backward and reshard what
+    they step themselves."""
+    if getattr(optimizer, "_shardwise_shadow", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            setattr(p, STEPS, getattr(p, STEPS, 0) + 1)
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -475,10 +493,13 @@ class ParamGroup:
             self.unsharded_flat.numel() * self.unsharded_flat.element_size()
         )
 
-    def _shards_version(self) -> int:
+    def _shards_version(self) -> tuple[int, int]:
         # In-place updates through DTensor (optimizers) bump the parameter's own
         # version counter, not the local tensor's: dispatch runs below autograd.
-        return sum(sp.sharded._version for sp in self.params)
+        # foreach and fused optimizer kernels bump neither, so each optimizer
+        # step over a parameter counts as a change too.
+        params = [sp.sharded for sp in self.params]
+        return sum(p._version for p in params), sum(getattr(p, STEPS, 0) for p in params)
 
     def stale(self) -> bool:
         """Gathered, but the shards changed since (an optimizer step while kept gathered)."""
