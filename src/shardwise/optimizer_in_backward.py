@@ -26,6 +26,13 @@ or of a state dict cleans up (so does ``reset_iter_state``). A step that
 raises is raised from backward after the clean-up; the modules after it keep
 their gradients.
 
+Known limits: a graph built before a step and backpropagated after it (two
+backwards over graphs from earlier forwards, ``retain_graph=True``) uses
+the stepped weights, where plain training would raise; a module that returns
+its own input tensor is refused as "needed again"; after a backward that
+raised, an in-place ``zero_grad(set_to_none=False)`` may race the steps still
+queued (call ``reset_iter_state()`` first).
+
 How a subset is stepped: a shadow of the caller's optimizer (same class, the
 same state, its hyperparameters read anew at every step so that LR schedulers
 apply) whose parameter groups hold one module's parameters. Its ``step`` is
