@@ -493,13 +493,13 @@ class ParamGroup:
             self.unsharded_flat.numel() * self.unsharded_flat.element_size()
         )
 
-    def _shards_version(self) -> tuple[int, int]:
+    def _shards_version(self) -> int:
         # In-place updates through DTensor (optimizers) bump the parameter's own
         # version counter, not the local tensor's: dispatch runs below autograd.
         # foreach and fused optimizer kernels bump neither, so each optimizer
-        # step over a parameter counts as a change too.
-        params = [sp.sharded for sp in self.params]
-        return sum(p._version for p in params), sum(getattr(p, STEPS, 0) for p in params)
+        # step over a parameter counts as a change too. Both only grow: one sum
+        # in one pass (this runs at every gather) changes when either does.
+        return sum(sp.sharded._version + getattr(sp.sharded, STEPS, 0) for sp in self.params)
 
     def stale(self) -> bool:
         """Gathered, but the shards changed since (an optimizer step while kept gathered)."""
