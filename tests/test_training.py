@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -42,6 +43,16 @@ def bf16_worker(rank: int, world: int) -> None:
     remove = collectives.add_observer(
         lambda rec, _: (gathers if rec.kind == "all_gather" else reduces).append(rec)
     )
+    # Each parameter is gathered (and cast) straight into its own storage: no
+    # copy-out from a rank-major buffer after the gathers.
+    copy_outs = []
+    split_copy = torch.split_with_sizes_copy
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        copy_outs.append(1)
+        return split_copy(*args, **kwargs)
+
+    torch.split_with_sizes_copy = counted
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for idx in batches(5):
@@ -53,6 +64,8 @@ def bf16_worker(rank: int, world: int) -> None:
         ref_loss = reference_step(ref, ref_opt, idx)
         torch.testing.assert_close(global_mean(loss), ref_loss, atol=3e-2, rtol=3e-2)
     remove()
+    torch.split_with_sizes_copy = split_copy
+    assert not copy_outs, f"{len(copy_outs)} copy-outs after in-place gathers"
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.to_local().dtype == torch.float32, name
         assert p.grad is None

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 from .trace import active as active_trace
 
@@ -111,13 +112,46 @@ def all_gather(
     """
     if comm is None and _on_side_stream():
         _all_gather(output, input, group=group, async_op=False)
-        work: Any = _StreamWork()
+        work: Any = StreamWork()
     elif comm is None:
         work = _all_gather(output, input, group=group, async_op=True)
     else:
         work = comm(output_tensor=output, input_tensor=input, group=group, async_op=True)
     p = Pending(work, label=label, kind="all_gather")
     _notify("all_gather", output, dist.get_world_size(group), label, p)
+    return p
+
+
+def all_gather_each(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup, label: str
+) -> Pending:
+    """Gather every rank's ``inputs[i]`` into ``outputs[i]``, all as one collective.
+
+    Why: a group's parameters are gathered straight into their own storage
+    (each output is one parameter, rank-major = param-major along dim 0), so
+    no copy-out follows on the compute stream. NCCL runs the grouped
+    gathers as one launch, as fast as one gather of them all end to end
+    (measured: docs/benchmarks.md, session 7). Observers see one gather.
+    """
+    if len(outputs) == 1:
+        return all_gather(outputs[0], inputs[0], group, label)
+    side = _on_side_stream()
+    with _coalescing_manager(group, async_ops=not side) as cm:
+        for out, inp in zip(outputs, inputs):
+            _all_gather(out, inp, group=group)
+    p = Pending(StreamWork() if side else cm, label=label, kind="all_gather")
+    if _observers:
+        numel = sum(t.numel() for t in outputs)
+        rec = CollectiveRecord(
+            "all_gather",
+            outputs[0].dtype,
+            numel,
+            numel * outputs[0].element_size(),
+            dist.get_world_size(group),
+            label,
+        )
+        for fn in list(_observers):
+            fn(rec, p)
     return p
 
 
@@ -138,11 +172,15 @@ def reduce_scatter(
     as ``comm(output_tensor=..., input_tensor=..., group=..., op=SUM, async_op=True)``.
     """
     n = dist.get_world_size(group)
+    op = dist.ReduceOp.SUM
+    if comm is None and divide_by == n and _averages(group, input):
+        # The mean inside the collective: no pass over the output afterwards.
+        op, divide_by = dist.ReduceOp.AVG, None
     if comm is None and _on_side_stream():
-        _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=False)
-        work: Any = _StreamWork()
+        _reduce_scatter(output, input, op=op, group=group, async_op=False)
+        work: Any = StreamWork()
     elif comm is None:
-        work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = _reduce_scatter(output, input, op=op, group=group, async_op=True)
     else:
         work = comm(
             output_tensor=output,
@@ -155,6 +193,13 @@ def reduce_scatter(
     p = Pending(work, then=then, label=label, kind="reduce_scatter")
     _notify("reduce_scatter", input, n, label, p)
     return p
+
+
+def _averages(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
+    """Whether ``group`` has ReduceOp.AVG for ``t``'s device: NCCL has, gloo has not."""
+    if not t.is_cuda:
+        return False
+    return type(group._get_backend(t.device)).__name__ == "ProcessGroupNCCL"
 
 
 def all_reduce(
@@ -229,16 +274,20 @@ def _on_side_stream() -> bool:
     return _side_depth > 0
 
 
-class _StreamWork:
-    """A collective run in order on a side stream (``async_op=False`` there: since
-    torch 2.8 NCCL then runs on the current stream and stashes nothing):
-    waiting for it is the waiting stream's wait on an event recorded after it."""
+class StreamWork:
+    """Work queued in order on a side stream: a copy, or a collective (``async_op=False``
+    there: since torch 2.8 NCCL then runs on the current stream and stashes
+    nothing). Waiting for it is the waiting stream's wait on an event recorded
+    after it. Off the GPU the work ran in order already: nothing to wait for."""
 
-    def __init__(self) -> None:
-        self.event = torch.cuda.current_stream().record_event()
+    def __init__(self, device: torch.device | None = None) -> None:
+        # ``device``: where the work ran; None for a collective issued inside side_stream().
+        on_gpu = device is None or device.type == "cuda"
+        self.event = torch.cuda.current_stream().record_event() if on_gpu else None
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 @contextlib.contextmanager

@@ -116,8 +116,8 @@ class ModuleState:
     def _gather(self, prefetch: list[ModuleState]) -> None:
         """Issue our gather and wait for it, then issue the prefetches.
 
-        Ours first: its output buffer is freed by its copy-out before a
-        prefetch allocates another, so one gather buffer is alive, not two
+        Ours first: where a copy-out follows the gather, it frees the gather
+        buffer before a prefetch allocates another, so one is alive, not two
         (usually ours was prefetched already, so the wait is short). The
         prefetches are still issued before this module computes: they overlap it.
         """
@@ -131,9 +131,7 @@ class ModuleState:
             tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
         group.prefetched = False
         group.wait_unsharded()
-        if not group.communicates:
-            # Nothing to hide: a one-rank "gather" is a cast on the compute
-            # stream, and gathering ahead would only hold memory sooner.
+        if not group.hides_behind_compute:
             prefetch = []
         in_backward = self.context is not None and self.context.phase is Phase.BACKWARD
         for s in prefetch:

@@ -72,17 +72,6 @@ def _download_stream() -> torch.cuda.Stream:
     return _downloads[device]
 
 
-class Uploaded:
-    """A work handle for an upload alone (one rank: no gather to wait for)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.event = torch.cuda.current_stream().record_event() if device.type == "cuda" else None
-
-    def wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-
-
 def download(
     t: torch.Tensor, dtype: torch.dtype, pin: bool
 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:

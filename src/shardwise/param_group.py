@@ -160,8 +160,6 @@ class ParamGroup:
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
         self.offload_policy = offload_policy
-        # Gathers go over the wire or the host link (else: an alias or a cast).
-        self.communicates = self.world > 1 or offload_policy is not None
         self.orig_dtype = named[0][1].dtype
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
@@ -373,6 +371,20 @@ class ParamGroup:
                     else (sp.before, self.world, sp.chunk, sp.after)
                 )
             )
+        # The in-place gather's operands, per parameter (never empty: NCCL
+        # gathers nothing gladly, gloo not): output, this rank's slot in it,
+        # and the shard it gathers from. Slots are consecutive in the flat shard.
+        # Together the shards cover the flat shard where it is used (gathers_in_place).
+        parts = [
+            (sp, c)
+            for sp, c in zip(self.params, self._copy_out)
+            if sp.slot and sp.ext is None and sp.dim == 0
+        ]
+        self._in_place = (
+            [c.view(-1) for _, c in parts],
+            [c[self.rank] for _, c in parts],
+            [self.flat[sp.offset : sp.offset + sp.slot] for sp, _ in parts],
+        )
         if not self.aliased and device.type != "meta":
             self.unsharded_flat.untyped_storage().resize_(0)  # views first: they check bounds
 
@@ -416,26 +428,22 @@ class ParamGroup:
             self.state = GroupState.GATHERING
             return
         if self.world == 1:
+            # One casting copy (or an upload) is the whole "gather". On a GPU it
+            # goes beside compute, like a gather's copy-in, so a prefetch hides it.
             self._allocate_unsharded()
-            if self.offload_policy is None:
-                self.unsharded_flat.copy_(self.flat)  # one casting copy is the whole "gather"
+            if not self.hides_behind_compute:  # a cast on the CPU, done at once
+                self.unsharded_flat.copy_(self.flat)
                 self.state = GroupState.UNSHARDED
                 self._install_plain()
                 return
-            with collectives.side_stream("gather", self.device):  # the upload, beside compute
+            with collectives.side_stream("gather", self.device):
                 self.unsharded_flat.copy_(self.flat.to(self.device, non_blocking=True))
-                self._pending = collectives.Pending(offload.Uploaded(self.device), kind="upload")
+                work = collectives.StreamWork(self.device)
+            kind = "cast" if self.offload_policy is None else "upload"
+            self._pending = collectives.Pending(work, label=self.label, kind=kind)
             self._gather_out = self.unsharded_flat
             self.state = GroupState.GATHERING
             return
-        if len(self.params) == 1 and not self.interleaved and self.comm_alloc is None:
-            # rank-major == param-major: gathered in place
-            self._allocate_unsharded()
-            out = self.unsharded_flat
-        else:
-            # The parameters' storage is allocated only at the copy-out: a
-            # gather in flight (a prefetch) holds one buffer, not two.
-            out = self.comm_buffer(self.world * self.shard_numel, self.compute_dtype)
         if self._kept is not None:
             # What forward kept (reshard_after_forward=int): gather the rest over n ranks.
             src, group, copy_in = self._kept, self.post_forward_group, False
@@ -443,11 +451,30 @@ class ParamGroup:
             src, group = self.flat, self.shard_group
             # A cast to param_dtype, or an upload from host memory, comes first.
             copy_in = self.flat.dtype != self.compute_dtype or self.flat.device != self.device
-            if copy_in:
-                # Cast (or uploaded) straight into this rank's slot of the output:
-                # an in-place all-gather, no second buffer.
-                src = out.view(self.world, self.shard_numel)[self.rank]
-        with collectives.side_stream("gather", self.device if copy_in else None):
+        side = self.device if copy_in else None
+        if self._kept is None and self.gathers_in_place:
+            # Each parameter gathered straight into its own storage: no copy-out.
+            self._allocate_unsharded()
+            outs, slots, shards = self._in_place
+            with collectives.side_stream("gather", side):
+                if copy_in:  # cast (or uploaded) into this rank's slot of each output
+                    up = self.flat.to(self.device, non_blocking=True)
+                    torch._foreach_copy_(slots, list(up.split([t.numel() for t in shards])))
+                self._pending = collectives.all_gather_each(
+                    outs, slots if copy_in else shards, group, self.label
+                )
+            self._gather_out = self.unsharded_flat
+            self.state = GroupState.GATHERING
+            return
+        # Into one rank-major buffer, copied out to the parameters once gathered.
+        # The parameters' storage is allocated only at the copy-out: a gather in
+        # flight (a prefetch) holds one buffer, not two.
+        out = self.comm_buffer(self.world * self.shard_numel, self.compute_dtype)
+        if copy_in:
+            # Cast (or uploaded) straight into this rank's slot of the output:
+            # an in-place all-gather, no second buffer.
+            src = out.view(self.world, self.shard_numel)[self.rank]
+        with collectives.side_stream("gather", side):
             if copy_in:
                 # Uploaded as it is, cast on the GPU (a cross-device copy that
                 # also casts would cast on the CPU first).
@@ -457,6 +484,23 @@ class ParamGroup:
             )
         self._gather_in, self._gather_out = src, out
         self.state = GroupState.GATHERING
+
+    @property
+    def hides_behind_compute(self) -> bool:
+        """Whether gathering ahead (a prefetch) hides anything: a collective, an
+        upload, or on a GPU one rank's cast (on the side stream). Not an alias,
+        nor a cast on the CPU: gathering those ahead only holds memory sooner."""
+        if self.world > 1 or self.offload_policy is not None:
+            return True
+        return self.device.type == "cuda" and not self.aliased and self.ext_gather is None
+
+    @property
+    def gathers_in_place(self) -> bool:
+        """Whether each parameter is gathered into its own storage (``_in_place``).
+        Not a parameter split along another dim (the ranks' pieces interleave in
+        it), nor into buffers from a custom allocator or for a custom all-gather
+        (those get one flat rank-major buffer, as FSDP2 gives them)."""
+        return not self.interleaved and self.comm_alloc is None and self.custom_all_gather is None
 
     def wait_unsharded(self) -> None:
         if self.state is GroupState.SHARDED:

@@ -53,33 +53,38 @@ class ReduceJob:
         self._downloaded: Any = None  # offload: the event of the copy to the host
         hsdp = g.replicate_group is not None
         plain = g.divide_factor is None and g.all_reduce_hook is None
-        if g.world == 1 and not hsdp and plain and g.offload_policy is None:
+        device = g.device
+        # On a GPU a cast to the shards' dtype goes beside compute (below).
+        cast = device.type == "cuda" and any(
+            t is not None and t.dtype != g.orig_dtype for t in grads
+        )
+        if g.world == 1 and not hsdp and plain and g.offload_policy is None and not cast:
             # Nothing to average: the gradients are the shards.
             if g.reduce_scatter_unused:
                 grads = _zeros_for(g, grads, self.members)
             self.shards: list[Any] = [None if t is None else t.contiguous() for t in grads]
             return
-        device = g.device
         padded = _zeros_for(g, grads, self.members)
         filled = [sp.for_reduce(t) for sp in self.members if (t := padded[sp.index]) is not None]
         if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
             filled = [t.to(g.reduce_dtype) for t in filled]
         numel = sum(sp.slot for sp in self.members)
         self.out = g.comm_buffer(numel, g.reduce_dtype)
-        if g.world == 1:
-            torch._chunk_cat(filled, dim=0, num_chunks=1, out=self.out.view(1, -1))
+        # The copy-in overlaps the backward compute queued next. The gradients
+        # it reads may be freed as soon as it has run, not when the reduction
+        # is waited for: record_stream tells the allocator so.
+        if g.world == 1:  # the copy-in (a cast, a layout) is all there is
             self._rs_in = None
+            with collectives.side_stream("reduce", device):
+                torch._chunk_cat(filled, dim=0, num_chunks=1, out=self.out.view(1, -1))
+                _record_stream(filled, device)
+                work = collectives.StreamWork(device)
+            self._pending = collectives.Pending(work, label=g.label, kind="cast")
         else:
             self._rs_in = g.comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
-            # The copy-in overlaps the backward compute queued next. The gradients
-            # it reads may be freed as soon as it has run, not when the reduction
-            # is waited for: record_stream tells the allocator so.
             with collectives.side_stream("reduce", device):
                 torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
-                if device.type == "cuda":
-                    stream = torch.cuda.current_stream(device)
-                    for t in filled:
-                        t.record_stream(stream)
+                _record_stream(filled, device)
                 self._pending = collectives.reduce_scatter(
                     self.out,
                     self._rs_in.view(-1),
@@ -151,6 +156,14 @@ class ReduceJob:
         divide = None if g.divide_factor is not None else replicas
         collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide).wait()
         return True
+
+
+def _record_stream(tensors: list[torch.Tensor], device: torch.device) -> None:
+    """Tell the allocator that the current (side) stream reads ``tensors``."""
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        for t in tensors:
+            t.record_stream(stream)
 
 
 def _zeros_for(
