@@ -308,3 +308,11 @@ def test_cuda_comm_buffers_from_allocator(mode: str) -> None:
     if world() < 2:
         pytest.skip("needs 2 GPUs")
     run_distributed(comm_alloc_worker, world(), mode, backend=NCCL)
+
+
+def test_cuda_reduce_scatter_averages_in_nccl_unless_forced_to_sum() -> None:
+    if world() < 2:
+        pytest.skip("one rank reduce-scatters nothing")
+    from test_fsdp2_api import force_sum_worker
+
+    run_distributed(force_sum_worker, world(), "cuda", backend=NCCL)

@@ -77,12 +77,36 @@ def check_divide_factor(rank: int, world: int) -> None:
         close(grads_of(model), reference_grads(ref, idx, world), scale=world / factor)
 
 
+def force_sum_worker(rank: int, world: int, device: str = "cpu") -> None:
+    """Reduce-scatters average inside the collective where the backend can (NCCL),
+    and sum, then divide, where forced or where it cannot (gloo): same gradients."""
+    idx = batches(1)[0].to(device)
+    ops: list[str] = []
+    remove = collectives.add_observer(
+        lambda rec, _: ops.append(rec.op) if rec.kind == "reduce_scatter" else None
+    )
+    for force in (False, True):
+        ops.clear()
+        torch.manual_seed(0)
+        ref = Net().to(device)
+        model = copy.deepcopy(ref)
+        shard_net(model, {})
+        for m in each_sharded(model):
+            m.set_force_sum_reduction_for_comms(force)
+        loss_fn(model, idx.chunk(world)[rank]).backward()
+        close(grads_of(model), reference_grads(ref, idx, world))
+        want = "sum" if force or device == "cpu" else "avg"
+        assert ops and set(ops) == {want}, (force, ops)
+    remove()
+
+
 def check_force_sum(rank: int, world: int) -> None:
-    ref, model = reference_and_sharded(hsdp=False)
-    model.set_force_sum_reduction_for_comms(True)
-    idx = batches(1)[0]
-    loss_fn(model, idx.chunk(world)[rank]).backward()
-    close(grads_of(model), reference_grads(ref, idx, world))
+    force_sum_worker(rank, world)
+    shard = fully_shard(nn.Linear(2, 2))
+    shard.set_force_sum_reduction_for_comms(True)
+    with pytest.raises(TypeError, match="expects a bool"):
+        shard.set_force_sum_reduction_for_comms(1)  # type: ignore[arg-type]
+    assert all(g.force_sum for g in shard._groups(recurse=False)), "a refused call changed it"
 
 
 class Tokens(nn.Module):

@@ -40,6 +40,7 @@ class CollectiveRecord:
     nbytes: int
     group_size: int
     label: str  # the module's name, for humans
+    op: str = ""  # reductions: "sum" (then divided, if at all) or "avg" (inside the collective)
 
 
 Observer = Callable[[CollectiveRecord, "Pending"], None]
@@ -88,10 +89,12 @@ class Pending:
             fn(self)
 
 
-def _notify(kind: str, t: torch.Tensor, group_size: int, label: str, p: Pending) -> None:
+def _notify(
+    kind: str, t: torch.Tensor, group_size: int, label: str, p: Pending, op: str = ""
+) -> None:
     if _observers:
         rec = CollectiveRecord(
-            kind, t.dtype, t.numel(), t.numel() * t.element_size(), group_size, label
+            kind, t.dtype, t.numel(), t.numel() * t.element_size(), group_size, label, op
         )
         for fn in list(_observers):
             fn(rec, p)
@@ -162,19 +165,22 @@ def reduce_scatter(
     label: str = "",
     divide_by: float | None = None,
     comm: Any = None,
+    sum_only: bool = False,
 ) -> Pending:
     """Sum ``input`` over the group, this rank keeping its slice in ``output``,
-    then divide it by ``divide_by`` (the group size: the mean).
+    divided by ``divide_by`` (the group size: the mean).
 
-    Sum, then divide the (small) output: AVG and PREMUL_SUM are not reduce
-    ops every backend has (gloo has neither) on every torch we support.
+    The mean inside the collective (ReduceOp.AVG) where the backend has it
+    (NCCL) for an fp32 or bf16 sum, as FSDP2 does: no pass over the output
+    afterwards on the compute stream. Elsewhere (gloo has no AVG), with a
+    custom factor, or ``sum_only`` (``set_force_sum_reduction_for_comms``):
+    SUM, then a division of the (small) output when waited for.
     ``comm``: a user's reduce-scatter (``set_custom_reduce_scatter``), called
     as ``comm(output_tensor=..., input_tensor=..., group=..., op=SUM, async_op=True)``.
     """
     n = dist.get_world_size(group)
     op = dist.ReduceOp.SUM
-    if comm is None and divide_by == n and _averages(group, input):
-        # The mean inside the collective: no pass over the output afterwards.
+    if comm is None and not sum_only and divide_by == n and _averages(group, input):
         op, divide_by = dist.ReduceOp.AVG, None
     if comm is None and _on_side_stream():
         _reduce_scatter(output, input, op=op, group=group, async_op=False)
@@ -191,13 +197,14 @@ def reduce_scatter(
         )
     then = None if divide_by is None else (lambda: output.div_(divide_by))
     p = Pending(work, then=then, label=label, kind="reduce_scatter")
-    _notify("reduce_scatter", input, n, label, p)
+    _notify("reduce_scatter", input, n, label, p, "avg" if op == dist.ReduceOp.AVG else "sum")
     return p
 
 
 def _averages(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
-    """Whether ``group`` has ReduceOp.AVG for ``t``'s device: NCCL has, gloo has not."""
-    if not t.is_cuda:
+    """Whether ``group`` averages ``t`` exactly enough inside the collective: NCCL
+    has ReduceOp.AVG, gloo has not; fp16 could overflow before the division."""
+    if not t.is_cuda or t.dtype not in (torch.float32, torch.bfloat16):
         return False
     return type(group._get_backend(t.device)).__name__ == "ProcessGroupNCCL"
 
@@ -210,7 +217,7 @@ def all_reduce(
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     then = None if divide_by is None else (lambda: tensor.div_(divide_by))
     p = Pending(work, then=then, label=label, kind="all_reduce")
-    _notify("all_reduce", tensor, n, label, p)
+    _notify("all_reduce", tensor, n, label, p, "sum")
     return p
 
 

@@ -153,9 +153,11 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for FSDP2 code: shardwise's collectives always use SUM and divide
-        afterwards, so the gradients are the same either way."""
-        _bool("set_force_sum_reduction_for_comms", enable)
+        """True: this module's reduce-scatters use SUM and divide afterwards, never
+        NCCL's ReduceOp.AVG (NCCL's zero-copy transfers need SUM). gloo always sums."""
+        flag = _bool("set_force_sum_reduction_for_comms", enable)
+        for g in self._groups(recurse=False):
+            g.force_sum = flag
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves its reductions in flight (more microbatches

@@ -131,9 +131,9 @@ class ModuleState:
             tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
         group.prefetched = False
         group.wait_unsharded()
-        if not group.hides_behind_compute:
-            prefetch = []
         in_backward = self.context is not None and self.context.phase is Phase.BACKWARD
+        if not group.prefetches(in_backward):
+            prefetch = []
         for s in prefetch:
             g = s.group
             if in_backward and not s.unshard_in_backward:

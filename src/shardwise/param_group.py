@@ -169,6 +169,7 @@ class ParamGroup:
         self.divide_factor: float | None = None  # None: the mean over every data-parallel rank
         self.requires_all_reduce = True  # HSDP: False holds reduce-scattered sums back
         self.reduce_scatter_unused = False  # give every trainable parameter a gradient
+        self.force_sum = False  # reduce with SUM only, never the backend's AVG
         self.all_reduce_hook: Any = None  # called on the reduced shard, before assignment
         self.step_in_backward: Any = None  # optimizer_in_backward's handle: steps once reduced
         self.custom_all_gather: Any = None
@@ -431,7 +432,7 @@ class ParamGroup:
             # One casting copy (or an upload) is the whole "gather". On a GPU it
             # goes beside compute, like a gather's copy-in, so a prefetch hides it.
             self._allocate_unsharded()
-            if not self.hides_behind_compute:  # a cast on the CPU, done at once
+            if self.device.type != "cuda" and self.offload_policy is None:  # done at once
                 self.unsharded_flat.copy_(self.flat)
                 self.state = GroupState.UNSHARDED
                 self._install_plain()
@@ -485,14 +486,17 @@ class ParamGroup:
         self._gather_in, self._gather_out = src, out
         self.state = GroupState.GATHERING
 
-    @property
-    def hides_behind_compute(self) -> bool:
-        """Whether gathering ahead (a prefetch) hides anything: a collective, an
-        upload, or on a GPU one rank's cast (on the side stream). Not an alias,
-        nor a cast on the CPU: gathering those ahead only holds memory sooner."""
+    def prefetches(self, in_backward: bool) -> bool:
+        """Whether this group's gather issues prefetches: whether gathering ahead
+        hides anything. A collective or an upload, yes. One rank's cast on a GPU
+        (on the side stream), in forward only: backward's peak, with every
+        activation alive, would hold one more gathered layer than FSDP2's (which
+        casts on demand at one rank). An alias, or a cast on the CPU, never:
+        gathering those ahead only holds memory sooner."""
         if self.world > 1 or self.offload_policy is not None:
             return True
-        return self.device.type == "cuda" and not self.aliased and self.ext_gather is None
+        cast_on_gpu = self.device.type == "cuda" and not self.aliased and self.ext_gather is None
+        return cast_on_gpu and not in_backward
 
     @property
     def gathers_in_place(self) -> bool:

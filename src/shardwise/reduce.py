@@ -92,6 +92,7 @@ class ReduceJob:
                     g.label,
                     divide_by=None if g.divide_factor is not None else g.world,
                     comm=g.custom_reduce_scatter,
+                    sum_only=g.force_sum,
                 )
         self.shards = []
 
