@@ -2,12 +2,14 @@
 
 Why a flat shard: each rank keeps its pieces of all of a module's parameters
 in one contiguous buffer, and every sharded parameter's local tensor is a view
-into it. The all-gather input is then that buffer itself (or one cast kernel
-of it to ``param_dtype``): no copy-in. The gathered buffer is rank-major while
-parameters are param-major, so one ``split_with_sizes_copy`` lays them out
-(copy-out); it is skipped when the group holds one parameter, and a one-rank
-mesh in the parameters' own dtype needs no gather at all (the unsharded
-parameters alias the shards).
+into it. The all-gather inputs are then its slots themselves (or one cast of
+them to ``param_dtype``): no copy-in. Each parameter is gathered straight into
+its own unsharded storage, all of them in one grouped collective: split along
+dim 0, the ranks' pieces laid rank after rank are the parameter, so no
+copy-out follows. Where one flat rank-major buffer must be gathered instead
+(another split dim, a custom all-gather or allocator, a post-forward group),
+one ``split_with_sizes_copy`` lays it out. A one-rank mesh in the parameters'
+own dtype needs no gather at all (the unsharded parameters alias the shards).
 
 Why resize storage instead of dropping it: autograd saves the unsharded
 parameters for backward. Freeing their storage (resize to 0) leaves those
