@@ -134,15 +134,29 @@ def all_gather_each(
     (each output is one parameter, rank-major = param-major along dim 0), so
     no copy-out follows on the compute stream. NCCL runs the grouped
     gathers as one launch, as fast as one gather of them all end to end
-    (measured: docs/benchmarks.md, session 7). Observers see one gather.
+    (measured: docs/benchmarks.md, session 7). gloo's grouped gathers are
+    slower than its plain ones, and its separate gathers in flight together
+    are faster than one flat gather (measured there too): on gloo each
+    parameter gets its own. Observers see one gather.
     """
     if len(outputs) == 1:
         return all_gather(outputs[0], inputs[0], group, label)
     side = _on_side_stream()
-    with _coalescing_manager(group, async_ops=not side) as cm:
-        for out, inp in zip(outputs, inputs):
-            _all_gather(out, inp, group=group)
-    p = Pending(StreamWork() if side else cm, label=label, kind="all_gather")
+    work: Any
+    if side:
+        with _coalescing_manager(group, async_ops=False):
+            for out, inp in zip(outputs, inputs):
+                _all_gather(out, inp, group=group)
+        work = StreamWork()
+    elif outputs[0].is_cuda:
+        with _coalescing_manager(group, async_ops=True) as work:
+            for out, inp in zip(outputs, inputs):
+                _all_gather(out, inp, group=group)
+    else:
+        work = _AllOf(
+            [_all_gather(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs)]
+        )
+    p = Pending(work, label=label, kind="all_gather")
     if _observers:
         numel = sum(t.numel() for t in outputs)
         rec = CollectiveRecord(
@@ -279,6 +293,17 @@ _side_depth = 0  # > 0 while issuing inside side_stream() on a GPU
 
 def _on_side_stream() -> bool:
     return _side_depth > 0
+
+
+class _AllOf:
+    """Several work handles waited for as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 class StreamWork:
