@@ -299,6 +299,50 @@ def layout_worker(rank: int, world: int) -> None:
     handle.wait()
     model.extra.reshard()
     remove()
+    odd_shapes_gather_exactly()
+
+
+class OddShapes(nn.Module):
+    """Rows that split unevenly, ranks owning none, an empty and a 1-D parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uneven = nn.Parameter(torch.randn(5, 3))
+        self.one_row = nn.Parameter(torch.randn(1, 4))
+        self.empty = nn.Parameter(torch.randn(0, 2))
+        self.vector = nn.Parameter(torch.randn(7))
+        self.cube = nn.Parameter(torch.randn(3, 2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * sum(p.sum() for p in self.parameters())
+
+
+def odd_shapes_gather_exactly() -> None:
+    """Each parameter gathered in place lands whole and exact, cast or not, with
+    an observer watching; a module holding only an empty parameter gathers too."""
+    remove = collectives.add_observer(lambda rec, _: None)
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = OddShapes()
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        fully_shard(model, mp_policy=shardwise.MixedPrecisionPolicy(param_dtype=dtype))
+        for _ in range(2):
+            model.unshard()
+            for name, want in full.items():
+                got = getattr(model, name)
+                assert not isinstance(got, DTensor), name
+                torch.testing.assert_close(got, want.to(dtype or want.dtype), msg=name)
+            model.reshard()
+            with torch.no_grad():  # the next gather must see updated shards
+                for name, p in model.named_parameters():
+                    p.add_(1.0)
+                    full[name] += 1.0
+    empty = nn.Linear(0, 3, bias=False)
+    fully_shard(empty)
+    empty.unshard()
+    assert empty.weight.shape == (3, 0) and not isinstance(empty.weight, DTensor)
+    empty.reshard()
+    remove()
 
 
 def test_parameters_are_chunked_dtensors() -> None:

@@ -35,8 +35,9 @@ def test_cuda_seed_regression(reentrant: bool) -> None:
     run_distributed(seed_regression_worker, world(), reentrant, "cuda", backend=NCCL)
 
 
-def bf16_cuda_worker(rank: int, world: int) -> None:
-    """One GPU still gathers under bf16 (the cast): storage must come and go."""
+def bf16_cuda_worker(rank: int, world: int, reduce_dtype: torch.dtype | None) -> None:
+    """One GPU still gathers under bf16 (the cast): storage must come and go.
+    Gradients land in fp32 whatever the reduce dtype (the default: bf16)."""
     import copy
 
     from models import Net, batches, loss_fn
@@ -47,7 +48,7 @@ def bf16_cuda_worker(rank: int, world: int) -> None:
     ref = Net(d=32, ac="none").cuda()
     model = copy.deepcopy(ref)
     model.ac = "non-reentrant"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     shard_net(model, {"mp_policy": policy})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -57,6 +58,7 @@ def bf16_cuda_worker(rank: int, world: int) -> None:
         loss = loss_fn(model, idx.chunk(world)[rank])
         loss.backward()
         assert_between_steps(model)
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
         opt.step()
         opt.zero_grad()
         ref_loss = reference_step(ref, ref_opt, idx)
@@ -69,8 +71,9 @@ def bf16_cuda_worker(rank: int, world: int) -> None:
             torch.testing.assert_close(loss.float(), ref_loss, atol=3e-2, rtol=3e-2)
 
 
-def test_cuda_bf16_no_leak() -> None:
-    run_distributed(bf16_cuda_worker, world(), backend=NCCL)
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["fp32-reduce", "bf16-reduce"])
+def test_cuda_bf16_no_leak(reduce_dtype: torch.dtype | None) -> None:
+    run_distributed(bf16_cuda_worker, world(), reduce_dtype, backend=NCCL)
 
 
 # ---- real clients on GPUs (tests/test_clients.py) ----------------------------------------------

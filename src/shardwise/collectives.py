@@ -139,6 +139,8 @@ def all_gather_each(
     are faster than one flat gather (measured there too): on gloo each
     parameter gets its own. Observers see one gather.
     """
+    if not outputs:  # a group of empty parameters
+        return Pending(None, label=label, kind="all_gather")
     if len(outputs) == 1:
         return all_gather(outputs[0], inputs[0], group, label)
     side = _on_side_stream()

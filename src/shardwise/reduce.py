@@ -54,22 +54,26 @@ class ReduceJob:
         hsdp = g.replicate_group is not None
         plain = g.divide_factor is None and g.all_reduce_hook is None
         device = g.device
-        # On a GPU a cast to the shards' dtype goes beside compute (below).
+        # One rank, nothing else to do: nothing to average, the gradients are
+        # the shards, cast to the parameters' dtype (on a GPU beside compute,
+        # below; else on assignment).
+        alone = g.world == 1 and not hsdp and plain and g.offload_policy is None
         cast = device.type == "cuda" and any(
             t is not None and t.dtype != g.orig_dtype for t in grads
         )
-        if g.world == 1 and not hsdp and plain and g.offload_policy is None and not cast:
-            # Nothing to average: the gradients are the shards.
-            if g.reduce_scatter_unused:
-                grads = _zeros_for(g, grads, self.members)
+        if alone and g.reduce_scatter_unused:
+            grads = _zeros_for(g, grads, self.members)
+        if alone and not cast:
             self.shards: list[Any] = [None if t is None else t.contiguous() for t in grads]
             return
+        if alone:  # only the parameters with gradients: nothing to send for the others
+            self.members = [sp for sp, t in zip(g.params, grads) if t is not None]
         padded = _zeros_for(g, grads, self.members)
         filled = [sp.for_reduce(t) for sp in self.members if (t := padded[sp.index]) is not None]
         if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
             filled = [t.to(g.reduce_dtype) for t in filled]
         numel = sum(sp.slot for sp in self.members)
-        self.out = g.comm_buffer(numel, g.reduce_dtype)
+        self.out = g.comm_buffer(numel, g.orig_dtype if alone else g.reduce_dtype)
         # The copy-in overlaps the backward compute queued next. The gradients
         # it reads may be freed as soon as it has run, not when the reduction
         # is waited for: record_stream tells the allocator so.
