@@ -374,10 +374,9 @@ class ParamGroup:
                     else (sp.before, self.world, sp.chunk, sp.after)
                 )
             )
-        # The in-place gather's operands, per parameter (never empty: NCCL
-        # gathers nothing gladly, gloo not): output, this rank's slot in it,
-        # and the shard it gathers from. Slots are consecutive in the flat shard.
-        # Together the shards cover the flat shard where it is used (gathers_in_place).
+        # The in-place gather's operands, per non-empty parameter: its output,
+        # this rank's slot in it, and the shard it gathers from. Where they are
+        # used (gathers_in_place) the shards tile the flat shard in order.
         parts = [
             (sp, c)
             for sp, c in zip(self.params, self._copy_out)
