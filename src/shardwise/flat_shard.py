@@ -253,15 +253,14 @@ class FlatShard:
         if not self.aliased and device.type != "meta":
             self.unsharded_flat.untyped_storage().resize_(0)  # views first: they check bounds
 
-    def _ensure_packed(self) -> None:
-        """Re-point shards into the flat buffer if someone replaced them.
+    def repack(self) -> None:
+        """Re-point shards into a flat buffer after someone replaced them.
 
         ``module.to_empty()``, ``.to()`` and friends swap a DTensor parameter's
         local tensor for a new one; its values are the truth, so copy them into
         a flat buffer on their device and make the locals views of it again.
+        (``ParamGroup.unshard`` notices, by an identity check per parameter.)
         """
-        if all(local_of(sp.sharded) is loc for sp, loc in zip(self.params, self._locals)):
-            return
         first = local_of(self.params[0].sharded)
         # Offloaded shards go back to host memory (to_empty(device="cuda") moved them).
         device = self._device_for(first.device) if self.offload_policy else first.device
@@ -274,8 +273,3 @@ class FlatShard:
             sp.sharded._local_tensor = local  # type: ignore[attr-defined]
             self._locals.append(local)
         self._make_unsharded_views(device)
-
-    def _allocate_unsharded(self) -> None:
-        self.unsharded_flat.untyped_storage().resize_(
-            self.unsharded_flat.numel() * self.unsharded_flat.element_size()
-        )

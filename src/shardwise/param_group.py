@@ -200,7 +200,8 @@ class ParamGroup(FlatShard):
             return
         if self.step_in_backward is not None:
             self.step_in_backward.check_not_stepped(self)
-        self._ensure_packed()
+        if any(local_of(sp.sharded) is not loc for sp, loc in zip(self.params, self._locals)):
+            self.repack()  # someone replaced the shards (to_empty, .to())
         if self.aliased:
             self.state = GroupState.UNSHARDED
             self._install_plain()
@@ -316,6 +317,11 @@ class ParamGroup(FlatShard):
         if self.comm_alloc is not None:
             return self.comm_alloc(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def _allocate_unsharded(self) -> None:
+        self.unsharded_flat.untyped_storage().resize_(
+            self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        )
 
     def _shards_version(self) -> int:
         # In-place updates through DTensor (optimizers) bump the parameter's own
