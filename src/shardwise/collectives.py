@@ -134,10 +134,10 @@ def all_gather_each(
     (each output is one parameter, rank-major = param-major along dim 0), so
     no copy-out follows on the compute stream. NCCL runs the grouped
     gathers as one launch, as fast as one gather of them all end to end
-    (measured: docs/benchmarks.md, session 7). gloo's grouped gathers are
-    slower than its plain ones, and its separate gathers in flight together
-    are faster than one flat gather (measured there too): on gloo each
-    parameter gets its own. Observers see one gather.
+    (measured: docs/benchmarks.md, session 7). gloo's separate gathers all in
+    flight were faster still, but one CI run aborted at a worker's exit with
+    them ("terminate called without an active exception"), so gloo groups
+    them too: one work handle per module. Observers see one gather.
     """
     if not outputs:  # a group of empty parameters
         return Pending(None, label=label, kind="all_gather")
@@ -150,14 +150,10 @@ def all_gather_each(
             for out, inp in zip(outputs, inputs):
                 _all_gather(out, inp, group=group)
         work = StreamWork()
-    elif outputs[0].is_cuda:
+    else:
         with _coalescing_manager(group, async_ops=True) as work:
             for out, inp in zip(outputs, inputs):
                 _all_gather(out, inp, group=group)
-    else:
-        work = _AllOf(
-            [_all_gather(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs)]
-        )
     p = Pending(work, label=label, kind="all_gather")
     if _observers:
         numel = sum(t.numel() for t in outputs)
@@ -295,17 +291,6 @@ _side_depth = 0  # > 0 while issuing inside side_stream() on a GPU
 
 def _on_side_stream() -> bool:
     return _side_depth > 0
-
-
-class _AllOf:
-    """Several work handles waited for as one."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
 
 
 class StreamWork:
