@@ -90,12 +90,17 @@ class Pending:
 
 
 def _notify(
-    kind: str, t: torch.Tensor, group_size: int, label: str, p: Pending, op: str = ""
+    kind: str,
+    t: torch.Tensor,
+    group_size: int,
+    label: str,
+    p: Pending,
+    op: str = "",
+    numel: int | None = None,  # several tensors of t's dtype: their total
 ) -> None:
     if _observers:
-        rec = CollectiveRecord(
-            kind, t.dtype, t.numel(), t.numel() * t.element_size(), group_size, label, op
-        )
+        n = t.numel() if numel is None else numel
+        rec = CollectiveRecord(kind, t.dtype, n, n * t.element_size(), group_size, label, op)
         for fn in list(_observers):
             fn(rec, p)
 
@@ -144,29 +149,12 @@ def all_gather_each(
     if len(outputs) == 1:
         return all_gather(outputs[0], inputs[0], group, label)
     side = _on_side_stream()
-    work: Any
-    if side:
-        with _coalescing_manager(group, async_ops=False):
-            for out, inp in zip(outputs, inputs):
-                _all_gather(out, inp, group=group)
-        work = StreamWork()
-    else:
-        with _coalescing_manager(group, async_ops=True) as work:
-            for out, inp in zip(outputs, inputs):
-                _all_gather(out, inp, group=group)
-    p = Pending(work, label=label, kind="all_gather")
-    if _observers:
-        numel = sum(t.numel() for t in outputs)
-        rec = CollectiveRecord(
-            "all_gather",
-            outputs[0].dtype,
-            numel,
-            numel * outputs[0].element_size(),
-            dist.get_world_size(group),
-            label,
-        )
-        for fn in list(_observers):
-            fn(rec, p)
+    with _coalescing_manager(group, async_ops=not side) as cm:
+        for out, inp in zip(outputs, inputs):
+            _all_gather(out, inp, group=group)
+    p = Pending(StreamWork() if side else cm, label=label, kind="all_gather")
+    numel = sum(t.numel() for t in outputs) if _observers else 0
+    _notify("all_gather", outputs[0], dist.get_world_size(group), label, p, numel=numel)
     return p
 
 
