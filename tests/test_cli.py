@@ -111,6 +111,29 @@ def test_sample_prints_a_continuation(reference: Path, nproc: str) -> None:
     assert r.stdout.startswith("def ") and len(r.stdout.rstrip("\n")) >= 4 + 1
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("status", "code", "stderr"), [(0, 0, "err"), (3, 3, "err"), (None, 0, "err"), ("no", 1, "no")]
+)
+def test_a_worker_ends_with_its_output_and_without_finalization(
+    status: object, code: int, stderr: str
+) -> None:
+    """A finished worker skips interpreter finalization, the stage whose race with
+    gloo's threads aborted successful runs (cli/worker.py ``end``), and loses no output."""
+    script = (
+        "import atexit, sys\n"
+        "from shardwise.cli.worker import end\n"
+        "atexit.register(lambda: print('finalized', flush=True))\n"
+        "print('out', end='')\n"
+        "sys.stderr.write('err')\n"
+        f"end({status!r})\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert r.returncode == code
+    assert r.stdout == "out"  # flushed, and no atexit handler ran
+    assert stderr in r.stderr
+
+
 @pytest.mark.timeout(150)
 def test_compile_gives_the_uncompiled_losses(reference: Path, tmp_path: Path) -> None:
     """--compile (aot_eager on CPU): the reference run's first steps, with compiled blocks.

@@ -139,20 +139,27 @@ def all_gather_each(
     (each output is one parameter, rank-major = param-major along dim 0), so
     no copy-out follows on the compute stream. NCCL runs the grouped
     gathers as one launch, as fast as one gather of them all end to end
-    (measured: docs/benchmarks.md, session 7). gloo's separate gathers all in
-    flight were faster still, but one CI run aborted at a worker's exit with
-    them ("terminate called without an active exception"), so gloo groups
-    them too: one work handle per module. Observers see one gather.
+    (measured: docs/benchmarks.md, session 7). gloo is the other way round:
+    its grouped gathers flatten into temporary buffers and copy out, and its
+    separate gathers, all in flight at once, run on its several threads and
+    were twice as fast as one flat gather (measured there too), so on the CPU
+    each parameter gets its own. Observers see one gather.
     """
     if not outputs:  # a group of empty parameters
         return Pending(None, label=label, kind="all_gather")
     if len(outputs) == 1:
         return all_gather(outputs[0], inputs[0], group, label)
     side = _on_side_stream()
-    with _coalescing_manager(group, async_ops=not side) as cm:
-        for out, inp in zip(outputs, inputs):
-            _all_gather(out, inp, group=group)
-    p = Pending(StreamWork() if side else cm, label=label, kind="all_gather")
+    work: Any
+    if outputs[0].is_cuda:
+        with _coalescing_manager(group, async_ops=not side) as work:
+            for out, inp in zip(outputs, inputs):
+                _all_gather(out, inp, group=group)
+    else:
+        work = _AllOf(
+            [_all_gather(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs)]
+        )
+    p = Pending(StreamWork() if side else work, label=label, kind="all_gather")
     numel = sum(t.numel() for t in outputs) if _observers else 0
     _notify("all_gather", outputs[0], dist.get_world_size(group), label, p, numel=numel)
     return p
@@ -279,6 +286,17 @@ _side_depth = 0  # > 0 while issuing inside side_stream() on a GPU
 
 def _on_side_stream() -> bool:
     return _side_depth > 0
+
+
+class _AllOf:
+    """Several work handles waited for as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 class StreamWork:

@@ -280,6 +280,17 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
         import traceback
 
         q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    _end(q)
+
+
+def _end(q: Any) -> None:
+    """The result delivered, end without interpreter finalization, whose race
+    with gloo's threads can abort a finished worker (``cli.worker.end`` says how)."""
+    from ..cli.worker import end
+
+    q.close()
+    q.join_thread()  # the queue's feeder thread has handed the result over
+    end(0)
 
 
 def run_job(job: Job, timeout: float = 900) -> dict[str, Any]:
@@ -363,6 +374,7 @@ def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001
         q.put(("error", repr(e)))
+    _end(q)
 
 
 def hook_overhead_us(n_modules: int = 64, steps: int = 60) -> dict[str, float]:

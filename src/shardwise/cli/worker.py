@@ -44,6 +44,29 @@ def exit_on_first_signal() -> None:
     threading.Thread(target=wait, name="shardwise-early-exit", daemon=True).start()
 
 
+def end(code: int | str | None) -> None:
+    """End a worker whose command returned: output flushed, then ``os._exit``.
+
+    Why not a normal exit: interpreter finalization races gloo's worker
+    threads. A thread that finished the last collective may still be
+    releasing its tensors, which needs the GIL; once finalization has begun,
+    Python ends such a thread with ``pthread_exit``, and C++ turns that into
+    ``std::terminate``: "terminate called without an active exception", exit
+    -6, after a run that succeeded (seen in CI; a core dump showed the stack,
+    ``ProcessGroupGloo::AsyncWork::~AsyncWork`` in ``take_gil``). FSDP2's
+    processes hit it too. By the time a command returns, its files are
+    closed and its process group destroyed; only finalization is skipped.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # SystemExit("message"): Python prints it, exit 1
+        print(code, file=sys.stderr, flush=True)
+        code = 1
+    os._exit(code)
+
+
 if __name__ == "__main__":
     exit_on_first_signal()
     # Run as a script, this file's folder is first on sys.path; its main.py
@@ -52,4 +75,8 @@ if __name__ == "__main__":
 
     from shardwise.cli.main import main
 
-    sys.exit(main())
+    try:
+        status: int | str | None = main()
+    except SystemExit as e:  # a rank told to exit quietly (cli/main.py: from_rank0)
+        status = e.code
+    end(status)
