@@ -76,6 +76,34 @@ def test_cuda_bf16_no_leak(reduce_dtype: torch.dtype | None) -> None:
     run_distributed(bf16_cuda_worker, world(), reduce_dtype, backend=NCCL)
 
 
+def backward_cast_worker(rank: int, world: int) -> list[str]:
+    """One GPU, bf16: the gathers (casts) of one backward, in order, as the timeline saw them."""
+    import shardwise
+    from shardwise import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).cuda()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    x = torch.randn(8, 64, device="cuda")
+    model(x).sum().backward()  # the first step records the orders
+    loss = model(x).sum()
+    with shardwise.trace() as t:
+        loss.backward()
+    torch.cuda.synchronize()
+    needs = ("first_gather", "prefetch_hit", "prefetch_miss")
+    return [ev.name for ev in sorted(t.local_events, key=lambda e: e.start) if ev.name in needs]
+
+
+def test_cuda_one_rank_casts_ahead_in_backward_after_the_first_block() -> None:
+    """The first block's backward (the peak) casts on demand, as FSDP2 does; once a
+    block's backward is over, the next cast is issued one block ahead (prefetched)."""
+    needs = run_distributed(backward_cast_worker, 1, backend=NCCL)[0]
+    assert needs == ["first_gather", "prefetch_miss", "prefetch_hit", "prefetch_hit"], needs
+
+
 # ---- real clients on GPUs (tests/test_clients.py) ----------------------------------------------
 
 CLIENT_CASES = ["llama:reentrant", "llama:non-reentrant", "lora:non-reentrant", "lora:reentrant"]

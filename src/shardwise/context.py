@@ -143,6 +143,9 @@ class FSDPContext:
         self.held: ModuleState | None = None
         self._outer_task = -1  # the autograd graph task of the current backward
         self.post_optim_event: Any = None  # waited on before the next forward's gathers
+        # Modules whose backward finished in this backward: one rank's casts
+        # prefetch in backward once one has (param_group.py's ``prefetches``).
+        self.backwards_done = 0
 
     def __repr__(self) -> str:
         return f"FSDPContext(root={self.root.label!r}, modules={len(self.states)}, phase={self.phase.name})"
@@ -211,6 +214,7 @@ class FSDPContext:
         if self.phase is Phase.BACKWARD:
             return
         self.phase = Phase.BACKWARD
+        self.backwards_done = 0
         self._outer_task = torch._C._current_graph_task_id()
         self.bwd.start()
         if self.check:

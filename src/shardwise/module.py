@@ -131,8 +131,10 @@ class ModuleState:
             tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
         group.prefetched = False
         group.wait_unsharded()
-        in_backward = self.context is not None and self.context.phase is Phase.BACKWARD
-        if not group.prefetches(in_backward):
+        ctx = self.context
+        in_backward = ctx is not None and ctx.phase is Phase.BACKWARD
+        past_first = in_backward and ctx is not None and ctx.backwards_done > 0
+        if not group.prefetches(in_backward, past_first):
             prefetch = []
         for s in prefetch:
             g = s.group
@@ -309,6 +311,7 @@ class ModuleState:
             if job is not None:
                 ctx.pending_reduces.append(job)
         self.backward_done = True
+        ctx.backwards_done += 1
         self._set_phase(Phase.IDLE)
 
     # ---- context callbacks ---------------------------------------------------------------

@@ -268,17 +268,20 @@ class ParamGroup(FlatShard):
         self._gather_in, self._gather_out = src, out
         self.state = GroupState.GATHERING
 
-    def prefetches(self, in_backward: bool) -> bool:
+    def prefetches(self, in_backward: bool, past_first: bool = False) -> bool:
         """Whether this group's gather issues prefetches: whether gathering ahead
         hides anything. A collective or an upload, yes. One rank's cast on a GPU
-        (on the side stream), in forward only: backward's peak, with every
-        activation alive, would hold one more gathered layer than FSDP2's (which
-        casts on demand at one rank). An alias, or a cast on the CPU, never:
-        gathering those ahead only holds memory sooner."""
+        (on the side stream): in forward, and in backward only once a module's
+        backward has finished (``past_first``). The first module's backward is
+        where the peak is, with every activation alive: a layer cast ahead
+        there would hold one more than FSDP2 does (it casts on demand at one
+        rank); later, activations are freed faster than a layer's parameters
+        are cast. An alias, or a cast on the CPU, never: gathering those ahead
+        only holds memory sooner."""
         if self.world > 1 or self.offload_policy is not None:
             return True
         cast_on_gpu = self.device.type == "cuda" and not self.aliased and self.ext_gather is None
-        return cast_on_gpu and not in_backward
+        return cast_on_gpu and (not in_backward or past_first)
 
     @property
     def gathers_in_place(self) -> bool:
