@@ -77,7 +77,7 @@ class FlatShard:
     aliased: bool
     _locals: list[torch.Tensor]
     _copy_out: list[torch.Tensor]
-    _in_place: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+    _in_place: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]]
 
     def placements(self, sp: ShardedParam) -> tuple[Placement, ...]:
         """The sharded DTensor's placements: ``Shard(dim)``, replicated first under HSDP."""
@@ -238,8 +238,9 @@ class FlatShard:
                 )
             )
         # The in-place gather's operands, per non-empty parameter: its output,
-        # this rank's slot in it, and the shard it gathers from. Where they are
-        # used (gathers_in_place) the shards tile the flat shard in order.
+        # this rank's slot in it, the shard it gathers from, and the slot's
+        # size. Where they are used (gathers_in_place) the shards tile the
+        # flat shard in order, so the sizes split an uploaded copy of it.
         parts = [
             (sp, c)
             for sp, c in zip(self.params, self._copy_out)
@@ -249,6 +250,7 @@ class FlatShard:
             [c.view(-1) for _, c in parts],
             [c[self.rank] for _, c in parts],
             [self.flat[sp.offset : sp.offset + sp.slot] for sp, _ in parts],
+            [sp.slot for sp, _ in parts],
         )
         if not self.aliased and device.type != "meta":
             self.unsharded_flat.untyped_storage().resize_(0)  # views first: they check bounds

@@ -238,11 +238,12 @@ class ParamGroup(FlatShard):
         if self._kept is None and self.gathers_in_place:
             # Each parameter gathered straight into its own storage: no copy-out.
             self._allocate_unsharded()
-            outs, slots, shards = self._in_place
+            outs, slots, shards, sizes = self._in_place
             with collectives.side_stream("gather", side):
                 if copy_in:  # cast (or uploaded) into this rank's slot of each output
-                    up = self.flat.to(self.device, non_blocking=True)
-                    torch._foreach_copy_(slots, list(up.split([t.numel() for t in shards])))
+                    if self.flat.device != self.device:  # uploaded as it is, cast on the GPU
+                        shards = list(self.flat.to(self.device, non_blocking=True).split(sizes))
+                    torch._foreach_copy_(slots, shards)
                 self._pending = collectives.all_gather_each(
                     outs, slots if copy_in else shards, group, self.label
                 )
