@@ -562,6 +562,30 @@ def gathered_at_once_worker(rank: int, world: int, prefetch: int) -> list[int]:
     return peaks
 
 
+def test_recorded_order_prefetches_the_next_distinct_gathering_modules() -> None:
+    """Each position of a recorded order prefetches the next ``depth`` modules that
+    gather, skipping itself, repeats and modules without parameters."""
+    from types import SimpleNamespace
+
+    from shardwise.context import ExecutionOrder
+
+    root = SimpleNamespace(group=None)  # no parameters of its own
+    a, b, c, d = (SimpleNamespace(group=object()) for _ in range(4))
+    order = [root, a, b, a, c, d]  # ``a`` runs twice
+    depth = {id(root): 1, id(a): 2, id(b): 2, id(c): 1, id(d): 3}
+    targets = ExecutionOrder(order, depth).targets  # type: ignore[arg-type]
+    assert [[id(t) for t in ts] for ts in targets] == [
+        [id(a)],  # root
+        [id(b), id(c)],  # a: not itself again
+        [id(a), id(c)],  # b
+        [id(c), id(d)],  # a, second use
+        [id(d)],  # c
+        [],  # d: nothing after it
+    ]
+    depth[id(root)] = 0
+    assert ExecutionOrder(order, depth).targets[0] == []  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_blocks_gathered_at_once_in_forward_never_exceed_one_plus_prefetch(prefetch: int) -> None:
     peaks = run_distributed(gathered_at_once_worker, 2, prefetch)[0]

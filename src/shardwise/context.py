@@ -12,6 +12,7 @@ anything still gathered and finishes every gradient reduction in flight.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -69,12 +70,16 @@ class ExecutionOrder:
         gathering = [i for i, s in enumerate(states) if s.group is not None]
         self.targets: list[list[ModuleState]] = []
         for pos, s in enumerate(states):
+            # The next modules that gather, from just after ``pos``: a rebuild
+            # (whenever the order changes) costs n * depth, not n * n.
+            depth = depth_of[id(s)]
             ahead: list[ModuleState] = []
-            for i in gathering:
-                if i > pos and states[i] is not s and states[i] not in ahead:
-                    ahead.append(states[i])
-                if len(ahead) >= depth_of[id(s)]:
-                    break
+            k = bisect.bisect_right(gathering, pos)
+            while len(ahead) < depth and k < len(gathering):
+                t = states[gathering[k]]
+                if t is not s and t not in ahead:
+                    ahead.append(t)
+                k += 1
             self.targets.append(ahead)
 
     def same(self, states: list[ModuleState]) -> bool:
