@@ -87,7 +87,14 @@ def accumulation_worker(rank: int, world: int, hsdp: bool) -> None:
     if hsdp:
         assert model.extra.fc1.weight.placements == (Replicate(), Shard(0))
     seen: Counter[str] = Counter()
-    remove = collectives.add_observer(lambda rec, _: seen.update([rec.kind]))
+    order: list[tuple[str, str]] = []  # collectives issued and waited for, in turn
+
+    def note(rec: collectives.CollectiveRecord, p: collectives.Pending) -> None:
+        seen.update([rec.kind])
+        order.append(("issue", rec.kind))
+        p.on_done.append(lambda q: order.append(("done", q.kind)))
+
+    remove = collectives.add_observer(note)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     n_reducing = 6  # (a, b) x 2 stages, extra, root
@@ -100,9 +107,14 @@ def accumulation_worker(rank: int, world: int, hsdp: bool) -> None:
                     (loss_fn(model, mb) / 4).backward()
                 assert seen["reduce_scatter"] == 0 and seen["all_reduce"] == 0, seen
             else:
+                order.clear()
                 (loss_fn(model, mb) / 4).backward()
                 assert seen["reduce_scatter"] == n_reducing, seen
                 assert seen["all_reduce"] == (n_reducing if hsdp else 0), seen
+                if hsdp:  # the first all-reduce runs beside the next module's backward
+                    ar = order.index(("issue", "all_reduce"))
+                    rs = order.index(("issue", "reduce_scatter"), ar)
+                    assert ar < rs < order.index(("done", "all_reduce"), ar), order
         assert_between_steps(model)
         opt.step()
         opt.zero_grad()

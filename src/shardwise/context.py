@@ -268,14 +268,27 @@ class FSDPContext:
             s.on_backward_end()
         self.phase = Phase.IDLE
 
-    def finish_reduces(self, keep: int = 0) -> None:
-        """Finish the reductions in flight, all but the newest ``keep``."""
+    def finish_reduces(self, keep: int = 0, overlap: bool = False) -> None:
+        """Finish the reductions in flight, all but the newest ``keep``.
+
+        ``overlap`` (a post-backward: more backward follows): an HSDP job whose
+        all-reduce is not issued yet only issues it and stays, to be finished
+        by the next call. The all-reduce then runs beside the next module's
+        backward, as FSDP2's does, instead of being waited for at once; what it
+        holds meanwhile is one reduced shard, not the reduce-scatter's input.
+        """
         n = len(self.pending_reduces) - keep
         if n <= 0:
             return
-        jobs, self.pending_reduces = self.pending_reduces[:n], self.pending_reduces[n:]
+        jobs, rest = self.pending_reduces[:n], self.pending_reduces[n:]
+        staying = []
         for job in jobs:
-            job.finish()
+            if overlap and job.overlaps:
+                job.scattered()
+                staying.append(job)
+            else:
+                job.finish()
+        self.pending_reduces = staying + rest
 
     def wait_downloads(self) -> None:
         """CPU offload: the optimizer may read the CPU gradients once this returns."""

@@ -306,7 +306,7 @@ class ModuleState:
         if grads is not None or self.group.has_accumulated:
             # One reduction in flight at a time (by default) bounds the gradient
             # memory held.
-            ctx.finish_reduces(keep=self.max_reduces_in_flight - 1)
+            ctx.finish_reduces(keep=self.max_reduces_in_flight - 1, overlap=True)
             job = self.group.reduce_grads(grads or [None] * len(self.group.params))
             if job is not None:
                 ctx.pending_reduces.append(job)

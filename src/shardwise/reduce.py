@@ -5,7 +5,8 @@ once, so the next module's backward computes while it runs; the job holds
 every buffer the collectives read or write until ``finish`` has waited for
 them (then the reduced shards go on the parameters' ``.grad``). By default
 one job is in flight at a time (context.py's ``finish_reduces``), bounding
-the memory held for communication to one module.
+the memory held for communication to one module; with HSDP, the previous
+module's all-reduce as well, which holds only its reduced shard.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class ReduceJob:
     def __init__(self, group: ParamGroup, grads: list[torch.Tensor | None], used: list[bool]):
         g = self.group = group
         self._pending: collectives.Pending | None = None
+        # HSDP: the all-reduce over the replicas, issued once the reduce-scatter
+        # is done (``scattered``); None while not issued, or when held back.
+        self._all_reducing: collectives.Pending | None = None
+        self._scattered = False
+        self._held = False  # set_requires_all_reduce(False): no gradient this time
         # The flat layout restricted to the parameters that can have gradients:
         # the trainable ones (the same on every rank; unused ones send zeros)
         # and any that got one. A LoRA layer reduces its adapters, not zeros
@@ -106,17 +112,36 @@ class ReduceJob:
                 )
         self.shards = []
 
-    def finish(self) -> None:
-        """Wait for the reduction and put the shards on the parameters' ``.grad``."""
-        g = self.group
+    @property
+    def overlaps(self) -> bool:
+        """Whether ``scattered`` would issue an all-reduce that ``finish`` then waits for."""
+        return not self._scattered and not self.shards and self.group.replicate_group is not None
+
+    def scattered(self) -> None:
+        """Wait for the reduce-scatter; HSDP: issue the all-reduce over the replicas
+        without waiting for it, so that a later module's backward hides it (the
+        context finishes this job at the next module's post-backward)."""
+        if self._scattered:
+            return
+        self._scattered = True
         if self._pending is not None:
             self._pending.wait()
             self._pending = self._rs_in = None
+        if not self.shards and self.group.replicate_group is not None:
+            self._all_reducing = self._all_reduce(self.out)
+            self._held = self._all_reducing is None
+
+    def finish(self) -> None:
+        """Wait for the reduction and put the shards on the parameters' ``.grad``."""
+        g = self.group
+        self.scattered()
+        if self._held:
+            return  # held back (set_requires_all_reduce(False)): no gradient yet
+        if self._all_reducing is not None:
+            self._all_reducing.wait()
+            self._all_reducing = None
         if not self.shards:
             out = self.out
-            if g.replicate_group is not None:
-                if not self._all_reduce(out):
-                    return  # held back (set_requires_all_reduce(False)): no gradient yet
             if g.divide_factor is not None:
                 out.div_(g.divide_factor)
             if g.all_reduce_hook is not None:
@@ -145,8 +170,9 @@ class ReduceJob:
                 self._downloaded = done
         return host
 
-    def _all_reduce(self, out: torch.Tensor) -> bool:
-        """HSDP: average ``out`` over the replicas, with sums held back before; False to hold."""
+    def _all_reduce(self, out: torch.Tensor) -> collectives.Pending | None:
+        """HSDP: average ``out`` over the replicas, with sums held back before, issued;
+        None when held back instead."""
         g = self.group
         assert g.replicate_group is not None
         members = [sp.index for sp in self.members]
@@ -162,11 +188,10 @@ class ReduceJob:
             g._partial = None
         if not g.requires_all_reduce:
             g._partial = (members, out)
-            return False
+            return None
         replicas = g.replicate_group.size()
         divide = None if g.divide_factor is not None else replicas
-        collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide).wait()
-        return True
+        return collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide)
 
 
 def _record_stream(tensors: list[torch.Tensor], device: torch.device) -> None:
