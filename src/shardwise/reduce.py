@@ -83,23 +83,18 @@ class ReduceJob:
         # The copy-in overlaps the backward compute queued next. The gradients
         # it reads may be freed as soon as it has run, not when the reduction
         # is waited for: record_stream tells the allocator so.
+        slots = [sp.slot for sp in self.members]
         if g.world == 1:  # the copy-in (a cast, a layout) is all there is
             self._rs_in = None
-            views, offset = [], 0
-            for t in filled:
-                views.append(self.out[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
             with collectives.side_stream("reduce", device):
-                # Not _chunk_cat(num_chunks=1): casting bf16 into fp32 it ran 14x
-                # slower on an H200 (docs/bench/probes/grad_cast_probe.py).
-                torch._foreach_copy_(views, filled)
+                _copy_in(filled, slots, self.out.view(1, numel))
                 _record_stream(filled, device)
                 work = collectives.StreamWork(device)
             self._pending = collectives.Pending(work, label=g.label, kind="cast")
         else:
             self._rs_in = g.comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
             with collectives.side_stream("reduce", device):
-                torch._chunk_cat(filled, dim=0, num_chunks=g.world, out=self._rs_in)
+                _copy_in(filled, slots, self._rs_in)
                 _record_stream(filled, device)
                 self._pending = collectives.reduce_scatter(
                     self.out,
@@ -192,6 +187,28 @@ class ReduceJob:
         replicas = g.replicate_group.size()
         divide = None if g.divide_factor is not None else replicas
         return collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide)
+
+
+def _copy_in(filled: list[torch.Tensor], slots: list[int], out: torch.Tensor) -> None:
+    """Lay ``filled`` out rank-major in ``out`` (``[world, sum(slots)]``), cast on the way.
+
+    Where every tensor splits evenly into contiguous pieces, one per rank (its
+    rows), one ``_foreach_copy_`` of the pieces. ``_chunk_cat``, which also pads
+    uneven splits, ran slower with a bf16 to fp32 cast on an H200: 1.9x at two
+    and 1.6x at four ranks, 10-14x at one (docs/bench/grad_cast_probe_s8.json).
+    """
+    world = out.shape[0]
+    if all(t.is_contiguous() and t.numel() == world * s for t, s in zip(filled, slots)):
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        offset = 0
+        for t, s in zip(filled, slots):
+            dsts.extend(out[:, offset : offset + s].unbind(0))
+            srcs.extend(t.view(world, s).unbind(0))
+            offset += s
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        torch._chunk_cat(filled, dim=0, num_chunks=world, out=out)
 
 
 def _record_stream(tensors: list[torch.Tensor], device: torch.device) -> None:

@@ -50,5 +50,21 @@ if __name__ == "__main__":
     def loop2():
         for d, s in zip(dsts, srcs): d.copy_(s)
     res["w2_copy_each_strided_ms"] = timeit(loop2)
+    # The same rank-major layout as contiguous pieces: each rank's rows of each
+    # gradient into its own stretch of that rank's row (reduce.py's _copy_in).
+    pieces_dst, pieces_src, o = [], [], 0
+    for g in even:
+        k = g.numel() // w
+        pieces_dst.extend(out[:, o:o + k].unbind(0)); pieces_src.extend(g.view(w, k).unbind(0)); o += k
+    res["w2_foreach_copy_pieces_ms"] = timeit(lambda: torch._foreach_copy_(pieces_dst, pieces_src))
+    w4 = 4
+    even4 = [g for g in grads if g.shape[0] % w4 == 0]
+    out4 = torch.empty(w4, sum(g.numel() // w4 for g in even4), device=dev)
+    res["w4_chunk_cat_ms"] = timeit(lambda: torch._chunk_cat(even4, dim=0, num_chunks=w4, out=out4))
+    p4d, p4s, o = [], [], 0
+    for g in even4:
+        k = g.numel() // w4
+        p4d.extend(out4[:, o:o + k].unbind(0)); p4s.extend(g.view(w4, k).unbind(0)); o += k
+    res["w4_foreach_copy_pieces_ms"] = timeit(lambda: torch._foreach_copy_(p4d, p4s))
     print(json.dumps(res, indent=1))
     json.dump(res, open(sys.argv[1], "w"), indent=1)
