@@ -189,6 +189,21 @@ def test_torchrun_direct_with_hsdp_accumulation_checkpointing_bf16(tmp_path: Pat
     assert checkpoints(tmp_path / "run") == ["step_000003"]
 
 
+@pytest.mark.timeout(90)
+def test_torchrun_direct_bad_input_is_one_line(tmp_path: Path) -> None:
+    """Under torchrun, rank 0 checks the flags (cli/main.py's ``from_rank0``): one
+    error line from it, the other ranks quiet, nothing written."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "shardwise", "train", "--hsdp", "3", "--out", "run"]
+    env = _env() | {"OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=80)
+    assert r.returncode != 0  # torchrun's own report of the failed ranks follows
+    errors = [line for line in r.stderr.splitlines() if line.startswith("shardwise train")]
+    assert errors == ["shardwise train: error: --hsdp 3 does not divide the 2 processes"], r.stderr
+    assert "exitcode  : 2" in r.stderr and "ValueError" not in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.timeout(180)
 def test_help_and_bench_side_by_side(tmp_path: Path) -> None:
     r = shardwise("--help", cwd=tmp_path)

@@ -2,7 +2,13 @@
 
 import sys
 
-from shardwise.cli.main import main
+from shardwise.cli.main import in_worker, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if not in_worker():
+        sys.exit(main())
+    # One rank under torchrun (``torchrun ... -m shardwise train``): ends as the
+    # workers our own launcher starts do (cli/worker.py's ``end``).
+    from shardwise.cli.worker import run_to_end
+
+    run_to_end(main)

@@ -277,18 +277,19 @@ class FSDPContext:
         backward, as FSDP2's does, instead of being waited for at once; what it
         holds meanwhile is one reduced shard, not the reduce-scatter's input.
         """
-        n = len(self.pending_reduces) - keep
-        if n <= 0:
-            return
-        jobs, rest = self.pending_reduces[:n], self.pending_reduces[n:]
-        staying = []
-        for job in jobs:
-            if overlap and job.overlaps:
-                job.scattered()
-                staying.append(job)
-            else:
-                job.finish()
-        self.pending_reduces = staying + rest
+        staying: list[ReduceJob] = []
+        try:
+            for _ in range(len(self.pending_reduces) - keep):
+                # Off the list first: a job that raises is not finished twice
+                # (its gradients added twice) when a reset finishes the rest.
+                job = self.pending_reduces.pop(0)
+                if overlap and job.overlaps:
+                    job.scattered()
+                    staying.append(job)
+                else:
+                    job.finish()
+        finally:
+            self.pending_reduces[:0] = staying
 
     def wait_downloads(self) -> None:
         """CPU offload: the optimizer may read the CPU gradients once this returns."""

@@ -118,13 +118,13 @@ class ReduceJob:
         context finishes this job at the next module's post-backward)."""
         if self._scattered:
             return
-        self._scattered = True
         if self._pending is not None:
             self._pending.wait()
             self._pending = self._rs_in = None
         if not self.shards and self.group.replicate_group is not None:
             self._all_reducing = self._all_reduce(self.out)
             self._held = self._all_reducing is None
+        self._scattered = True  # only now: an all-reduce that raised is not skipped
 
     def finish(self) -> None:
         """Wait for the reduction and put the shards on the parameters' ``.grad``."""

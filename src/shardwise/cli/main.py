@@ -280,9 +280,10 @@ def from_rank0(fn: Callable[[], Any]) -> Any:
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "usage":
+        rank = dist.get_rank()  # not after destroy_process_group: it raises then
         dist.destroy_process_group()
         # Only rank 0 says it; the others exit with the same code, quietly.
-        raise UsageError(value) if dist.get_rank() == 0 else SystemExit(EXIT_USAGE)
+        raise UsageError(value) if rank == 0 else SystemExit(EXIT_USAGE)
     return value
 
 

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -55,7 +56,8 @@ def end(code: int | str | None) -> None:
     -6, after a run that succeeded (seen in CI; a core dump showed the stack,
     ``ProcessGroupGloo::AsyncWork::~AsyncWork`` in ``take_gil``). FSDP2's
     processes hit it too. By the time a command returns, its files are
-    closed and its process group destroyed; only finalization is skipped.
+    closed (and, unless it failed, its process group destroyed): only
+    finalization is skipped.
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -67,6 +69,16 @@ def end(code: int | str | None) -> None:
     os._exit(code)
 
 
+def run_to_end(main: Callable[[], int | None]) -> None:
+    """Run a worker's command, then ``end`` with its status (a ``SystemExit``'s too:
+    a rank told to exit quietly, cli/main.py's ``from_rank0``)."""
+    try:
+        status: int | str | None = main()
+    except SystemExit as e:
+        status = e.code
+    end(status)
+
+
 if __name__ == "__main__":
     exit_on_first_signal()
     # Run as a script, this file's folder is first on sys.path; its main.py
@@ -75,8 +87,4 @@ if __name__ == "__main__":
 
     from shardwise.cli.main import main
 
-    try:
-        status: int | str | None = main()
-    except SystemExit as e:  # a rank told to exit quietly (cli/main.py: from_rank0)
-        status = e.code
-    end(status)
+    run_to_end(main)
