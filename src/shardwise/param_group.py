@@ -276,9 +276,9 @@ class ParamGroup(FlatShard):
         backward has finished (``past_first``). The first module's backward is
         where the peak is, with every activation alive: a layer cast ahead
         there would hold one more than FSDP2 does (it casts on demand at one
-        rank); later, activations are freed faster than a layer's parameters
-        are cast. An alias, or a cast on the CPU, never: gathering those ahead
-        only holds memory sooner."""
+        rank); after it, the finished block has freed more activations than
+        one layer cast ahead holds. An alias, or a cast on the CPU, never:
+        gathering those ahead only holds memory sooner."""
         if self.world > 1 or self.offload_policy is not None:
             return True
         cast_on_gpu = self.device.type == "cuda" and not self.aliased and self.ext_gather is None

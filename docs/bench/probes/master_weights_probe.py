@@ -10,21 +10,11 @@ parameter shapes; their sum over the pure-bf16 step is the floor.
 Usage: python master_weights_probe.py OUT.json [pure_bf16_step_ms]
 """
 import json, sys, torch
-from shardwise.bench.models import build, resolve
-
-def timeit(fn, iters=20):
-    for _ in range(3): fn()
-    torch.cuda.synchronize(); s = torch.cuda.Event(True); e = torch.cuda.Event(True)
-    s.record()
-    for _ in range(iters): fn()
-    e.record(); torch.cuda.synchronize()
-    return s.elapsed_time(e) / iters
+from probe_util import medium_shapes, timeit
 
 if __name__ == "__main__":
     dev = torch.device("cuda")
-    model, blocks = build(resolve("medium", 2048, True), dev, "none")
-    shapes = [p.shape for p in model.parameters()]
-    del model, blocks
+    shapes = medium_shapes(dev)
     res = {"params": sum(torch.Size(s).numel() for s in shapes)}
     for name, dt in (("adamw_fp32_ms", torch.float32), ("adamw_bf16_ms", torch.bfloat16)):
         ps = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=dt)) for s in shapes]
