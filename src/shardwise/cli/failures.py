@@ -60,12 +60,8 @@ def no_space(e: BaseException) -> bool:
 
 
 def passes_through(e: BaseException) -> bool:
-    """Exceptions a failure handler must not swallow. A ``UsageError`` in a worker
-    (flags rank 0 checked under torchrun: ``from_rank0``) is said by ``main``,
-    one line and exit 2, as the launcher says it."""
-    from .main import UsageError
-
-    return isinstance(e, (KeyboardInterrupt, SystemExit, UsageError))
+    """Exceptions a failure handler must not swallow."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit))
 
 
 def peer_lost(e: BaseException) -> bool:

@@ -267,8 +267,10 @@ def init_worker() -> Worker:
     return Worker(rank, world, local_rank, device)
 
 
-def from_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only and give every rank its result (or its ``UsageError``)."""
+def from_rank0(fn: Callable[[], Any], command: str) -> Any:
+    """Run ``fn`` on rank 0 only and give every rank its result. A ``UsageError``
+    ends every rank with exit code 2, rank 0 having said it in one line, as
+    ``main`` says it (a ``SystemExit``: the workers' failure handlers let it pass)."""
     import torch.distributed as dist
 
     box: list[Any] = [None]
@@ -280,10 +282,10 @@ def from_rank0(fn: Callable[[], Any]) -> Any:
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "usage":
-        rank = dist.get_rank()  # not after destroy_process_group: it raises then
+        if dist.get_rank() == 0:
+            print(f"shardwise {command}: error: {value}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        # Only rank 0 says it; the others exit with the same code, quietly.
-        raise UsageError(value) if rank == 0 else SystemExit(EXIT_USAGE)
+        raise SystemExit(EXIT_USAGE)
     return value
 
 

@@ -359,7 +359,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
             remove_unfinished_saves(out)
             return c
 
-        cfg = from_rank0(resolve_and_lock)
+        cfg = from_rank0(resolve_and_lock, "train")
     out = Path(cfg["out"])
 
     # Model: the same initial weights on every rank, then each keeps its shards.

@@ -71,7 +71,7 @@ def end(code: int | str | None) -> None:
 
 def run_to_end(main: Callable[[], int | None]) -> None:
     """Run a worker's command, then ``end`` with its status (a ``SystemExit``'s too:
-    a rank told to exit quietly, cli/main.py's ``from_rank0``)."""
+    flags rank 0 refused under torchrun, cli/main.py's ``from_rank0``)."""
     try:
         status: int | str | None = main()
     except SystemExit as e:
