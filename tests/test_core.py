@@ -495,6 +495,7 @@ def exception_worker(rank: int, world: int) -> None:
     ref = Net()
     model = copy.deepcopy(ref)
     shard_net(model, {})
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # on the sharded parameters
     idx = batches(1)[0].chunk(world)[rank]
 
     def explode_forward(module, args):
@@ -520,6 +521,25 @@ def exception_worker(rank: int, world: int) -> None:
     loss_fn(ref, batches(1)[0]).backward()
     for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
+
+    # A backward that raises half-way (modules left gathered, a reduction in
+    # flight), then zero_grad, the model's or the optimizer's, and the next batch
+    # (how a step is skipped): nothing of the earlier steps or the failed pass leaks in.
+    def explode_below(module, args, out):
+        out.register_hook(explode_backward)
+
+    for clear in (model.zero_grad, opt.zero_grad):
+        handle = model.stages[0].register_forward_hook(explode_below)
+        with pytest.raises(Boom):
+            loss_fn(model, idx).backward()
+        handle.remove()
+        clear()
+        ref.zero_grad()
+        loss_fn(model, idx).backward()
+        assert_between_steps(model)
+        loss_fn(ref, batches(1)[0]).backward()
+        for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
 
 
 def test_model_recovers_after_an_exception_in_forward_or_backward() -> None:

@@ -252,13 +252,15 @@ class FSDPContext:
         """A backward that raised never reaches the final callback: clean up as it would."""
         if self.check:
             self.log("context: backward was abandoned (an exception inside it)")
-        # Modules whose post-backward ran keep their reduced gradients, as
-        # plain autograd keeps the gradients it accumulated before the error.
-        # A held module's partial sum is dropped: its backward never finished.
-        # Nor do they step (optimizer_in_backward): the caller sees the error.
-        for job in self.pending_reduces:
-            job.steps = False
-        self.finish_reduces()
+        # Reductions finished before the error have put their gradients on
+        # .grad, as plain autograd has. Those still in flight are waited for
+        # and dropped: finished now, at the next forward, they would land after
+        # the caller's zero_grad (a skipped batch) and leak into the next step.
+        # A held module's partial sum is dropped too: its backward never
+        # finished. Nothing steps (optimizer_in_backward): the caller sees the error.
+        jobs, self.pending_reduces = self.pending_reduces, []
+        for job in jobs:
+            job.discard()
         self.wait_downloads()
         self.wait_steps(raise_error=False)
         if self.held is not None and self.held.group is not None:

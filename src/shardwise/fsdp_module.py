@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from . import collectives
 from .context import FSDPContext, Phase
-from .module import ModuleState
+from .module import ModuleState, autograd_running
 from .param_group import ParamGroup
 
 
@@ -288,10 +288,25 @@ class FSDPModule:
             raise RuntimeError(f"{what}: run one forward through the root first")
         return ctx
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, after a backward that raised too.
+
+        Such a backward leaves modules gathered, their gathered copies installed
+        as the parameters, so clearing what ``parameters()`` yields would miss
+        the sharded parameters' gradients, and those of earlier steps would
+        leak into the next one (a skipped batch). Here the modules are first
+        resharded, as ``reset_iter_state`` does.
+        """
+        ctx = self._shardwise_state.context
+        if ctx is not None and ctx.phase is Phase.BACKWARD and not autograd_running():
+            ctx.reset()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (FSDP2's name).
 
-        Finishes reductions in flight, reshards every module and returns all
+        Drops a failed backward's reductions in flight (context.py's
+        ``abandon_backward`` says why), reshards every module and returns all
         of them to ``IDLE``, so the parameters are the sharded leaves again
         (an optimizer can be built on them) before the next forward.
         """

@@ -126,6 +126,14 @@ class ReduceJob:
             self._held = self._all_reducing is None
         self._scattered = True  # only now: an all-reduce that raised is not skipped
 
+    def discard(self) -> None:
+        """A backward that raised: wait for what was issued (the buffers must outlive
+        the collectives), issue nothing more, put nothing on ``.grad``."""
+        for pending in (self._pending, self._all_reducing):
+            if pending is not None:
+                pending.wait()
+        self._pending = self._all_reducing = self._rs_in = None
+
     def finish(self) -> None:
         """Wait for the reduction and put the shards on the parameters' ``.grad``."""
         g = self.group
