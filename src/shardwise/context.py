@@ -248,6 +248,11 @@ class FSDPContext:
         if state is not None:
             state.finish_backward(None)
 
+    def abandoned(self) -> bool:
+        """Whether a backward that raised left this context in BACKWARD: outside
+        autograd (on this thread) no backward of ours can be running."""
+        return self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1
+
     def abandon_backward(self) -> None:
         """A backward that raised never reaches the final callback: clean up as it would."""
         if self.check:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from . import collectives
 from .context import FSDPContext, Phase
-from .module import ModuleState, autograd_running
+from .module import ModuleState
 from .param_group import ParamGroup
 
 
@@ -295,11 +295,11 @@ class FSDPModule:
         as the parameters, so clearing what ``parameters()`` yields would miss
         the sharded parameters' gradients, and those of earlier steps would
         leak into the next one (a skipped batch). Here the modules are first
-        resharded, as ``reset_iter_state`` does.
+        resharded: ``reset_iter_state``.
         """
         ctx = self._shardwise_state.context
-        if ctx is not None and ctx.phase is Phase.BACKWARD and not autograd_running():
-            ctx.reset()
+        if ctx is not None and ctx.abandoned():
+            self.reset_iter_state()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def reset_iter_state(self) -> None:

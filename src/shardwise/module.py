@@ -151,7 +151,7 @@ class ModuleState:
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.context or self._lazy_init()
         tracer = active_trace()
-        if ctx.phase is Phase.BACKWARD and not autograd_running():
+        if ctx.abandoned():
             ctx.abandon_backward()
         later = bool(self._to_run) and ctx.phase is not Phase.BACKWARD
         if later:
@@ -385,8 +385,3 @@ def outside_compile(hook: Callable[..., Any]) -> Callable[..., Any]:
         return hook(*args, **kwargs)
 
     return run
-
-
-def autograd_running() -> bool:
-    """Whether this thread is inside an autograd backward pass right now."""
-    return torch._C._current_graph_task_id() != -1

@@ -115,12 +115,10 @@ class OptimizerInBackward:
     def settle(self) -> None:
         """Outside autograd, a context still in BACKWARD belongs to a backward that
         raised: clean it up now (it waits for the worker) rather than at the next forward."""
-        if torch._C._current_graph_task_id() != -1 or (
-            threading.current_thread() is not threading.main_thread()
-        ):
-            return  # inside a backward, or another thread (a logger) while one may run
+        if threading.current_thread() is not threading.main_thread():
+            return  # another thread (a logger) while a backward may run
         for ctx in {id(c): c for g in self.groups if (c := g.owner.context)}.values():
-            if ctx.phase is Phase.BACKWARD:
+            if ctx.abandoned():
                 ctx.abandon_backward()
 
     def grads_ready(self, group: ParamGroup, download: Any) -> None:
