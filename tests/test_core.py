@@ -541,6 +541,31 @@ def exception_worker(rank: int, world: int) -> None:
         for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
             torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
 
+    # The same backward again (retain_graph), with nothing in between: the retry
+    # is a backward of its own, with its end (the last module's reduction
+    # finished, every module resharded) before the optimizer reads .grad. The
+    # first attempt raised before any module's backward, so it left no gradients.
+    raised: list[bool] = []
+
+    def explode_once(grad):
+        if not raised:
+            raised.append(True)
+            raise Boom("in backward, once")
+
+    model.zero_grad()
+    ref.zero_grad()
+    out = model(idx[:, :-1])
+    out.register_hook(explode_once)  # after the root's pre-backward hook
+    loss = out.float().pow(2).mean()
+    with pytest.raises(Boom):
+        loss.backward(retain_graph=True)
+    loss.backward()
+    assert_between_steps(model)
+    ref_out = ref(batches(1)[0][:, :-1])
+    ref_out.float().pow(2).mean().backward()
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
+
 
 def test_model_recovers_after_an_exception_in_forward_or_backward() -> None:
     run_distributed(exception_worker, 2)

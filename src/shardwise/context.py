@@ -13,6 +13,7 @@ anything still gathered and finishes every gradient reduction in flight.
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections import deque
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -116,6 +117,24 @@ class Recording:
             self.order = ExecutionOrder(self.seen, depths)
 
 
+class _EndOfBackward:
+    """The final callback queued with autograd for one backward pass.
+
+    The context keeps only a weak reference to it: autograd owns it, and
+    drops it with the graph task. So while it is alive, its backward is still
+    running (a nested reentrant pass belongs to it); once it is gone without
+    having run, its backward raised.
+    """
+
+    __slots__ = ("ctx", "__weakref__")
+
+    def __init__(self, ctx: FSDPContext) -> None:
+        self.ctx = ctx
+
+    def __call__(self) -> None:
+        self.ctx._final_callback()
+
+
 class FSDPContext:
     """Shared state of one root: the module orders, the phase, reductions in flight."""
 
@@ -147,6 +166,7 @@ class FSDPContext:
         # checkpoint's inner pass reached it: module.py's post_backward).
         self.held: ModuleState | None = None
         self._outer_task = -1  # the autograd graph task of the current backward
+        self._end: weakref.ref[_EndOfBackward] | None = None  # its queued final callback
         self.post_optim_event: Any = None  # waited on before the next forward's gathers
         # Modules whose backward finished in this backward: one rank's casts
         # prefetch in backward once one has (param_group.py's ``prefetches``).
@@ -215,9 +235,16 @@ class FSDPContext:
     # ---- backward boundaries ------------------------------------------------------------
 
     def enter_backward(self) -> None:
-        """Idempotent: the first pre-backward of a backward pass switches phase."""
+        """Idempotent: the first pre-backward of a backward pass switches phase.
+
+        A backward that raised left the phase BACKWARD; a new one started
+        without a forward in between (the same graph again, ``retain_graph``)
+        cleans up after it first, then is entered like any other.
+        """
         if self.phase is Phase.BACKWARD:
-            return
+            if not self.abandoned():
+                return
+            self.abandon_backward()
         self.phase = Phase.BACKWARD
         self.backwards_done = 0
         self._outer_task = torch._C._current_graph_task_id()
@@ -229,7 +256,9 @@ class FSDPContext:
             tracer.begin("backward", "")
         for s in self.states:
             s.on_backward_start()
-        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+        end = _EndOfBackward(self)
+        self._end = weakref.ref(end)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
 
     def nested_pass(self) -> bool:
         """Whether autograd runs an inner backward of this backward now (a reentrant
@@ -250,8 +279,11 @@ class FSDPContext:
 
     def abandoned(self) -> bool:
         """Whether a backward that raised left this context in BACKWARD: outside
-        autograd (on this thread) no backward of ours can be running."""
-        return self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1
+        autograd (on this thread) no backward of ours can be running, and inside
+        it, ours is over once autograd dropped its final callback unrun."""
+        if self.phase is not Phase.BACKWARD:
+            return False
+        return torch._C._current_graph_task_id() == -1 or self._end is None or self._end() is None
 
     def abandon_backward(self) -> None:
         """A backward that raised never reaches the final callback: clean up as it would."""
