@@ -7,6 +7,7 @@ which fails (never hangs) after a timeout.
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 
 import pytest
@@ -629,6 +630,29 @@ def test_recorded_order_prefetches_the_next_distinct_gathering_modules() -> None
     ]
     depth[id(root)] = 0
     assert ExecutionOrder(order, depth).targets[0] == []  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gradient_copy_in_lays_out_rank_major_like_chunk_cat(world: int) -> None:
+    """The copy-in before a reduce-scatter: each rank's rows of every gradient, in
+    order, cast to the reduce dtype; the same bytes as ``torch._chunk_cat`` on
+    every path (even contiguous splits, a transposed gradient, an uneven split),
+    padding included."""
+    from shardwise.reduce import _copy_in
+
+    g = torch.Generator().manual_seed(0)
+    even = [torch.randn(s, generator=g, dtype=torch.bfloat16) for s in [(8, 3), (4,), (12, 2)]]
+    cases = {
+        "even": even,
+        "transposed": [*even[:2], torch.randn(2, 12, generator=g, dtype=torch.bfloat16).t()],
+        "uneven": [*even, torch.randn(world * 2 + 1, 3, generator=g, dtype=torch.bfloat16)],
+    }
+    for name, filled in cases.items():
+        slots = [-(-t.shape[0] // world) * math.prod(t.shape[1:]) for t in filled]
+        want = torch._chunk_cat(filled, dim=0, num_chunks=world).float()
+        out = torch.full((world, sum(slots)), float("nan"))
+        _copy_in(filled, slots, out)
+        torch.testing.assert_close(out, want, rtol=0, atol=0, msg=name)  # padding: zeros
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])

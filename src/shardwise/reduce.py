@@ -201,20 +201,21 @@ def _copy_in(filled: list[torch.Tensor], slots: list[int], out: torch.Tensor) ->
     """Lay ``filled`` out rank-major in ``out`` (``[world, sum(slots)]``), cast on the way.
 
     Where every tensor splits evenly into contiguous pieces, one per rank (its
-    rows), one ``_foreach_copy_`` of the pieces. ``_chunk_cat``, which also pads
-    uneven splits, ran slower with a bf16 to fp32 cast on an H200: 1.9x at two
-    and 1.6x at four ranks, 10-14x at one (docs/bench/grad_cast_probe_s8.json).
+    rows), one ``_foreach_copy_`` of the pieces (at one rank, of the tensors
+    themselves, contiguous or not). ``_chunk_cat``, which also pads uneven
+    splits, ran slower with a bf16 to fp32 cast on an H200: 1.9x at two and
+    1.6x at four ranks, 10-14x at one (docs/bench/grad_cast_probe_s8.json).
+    The views come from one ``split`` per rank: this runs once per module per
+    backward, and on a small model the host's time is the step's.
     """
     world = out.shape[0]
-    if all(t.is_contiguous() and t.numel() == world * s for t, s in zip(filled, slots)):
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        offset = 0
-        for t, s in zip(filled, slots):
-            dsts.extend(out[:, offset : offset + s].unbind(0))
-            srcs.extend(t.view(world, s).unbind(0))
-            offset += s
-        torch._foreach_copy_(dsts, srcs)
+    if world == 1 and all(t.numel() == s for t, s in zip(filled, slots)):
+        dsts = [d.view(t.shape) for d, t in zip(out.view(-1).split(slots), filled)]
+        torch._foreach_copy_(dsts, filled)
+    elif all(t.is_contiguous() and t.numel() == world * s for t, s in zip(filled, slots)):
+        pieces = [t.view(world, s).unbind(0) for t, s in zip(filled, slots)]
+        dsts = [d for row in out.unbind(0) for d in row.split(slots)]
+        torch._foreach_copy_(dsts, [p[r] for r in range(world) for p in pieces])
     else:
         torch._chunk_cat(filled, dim=0, num_chunks=world, out=out)
 
