@@ -320,7 +320,8 @@ class OddShapes(nn.Module):
 
 def odd_shapes_gather_exactly() -> None:
     """Each parameter gathered in place lands whole and exact, cast or not, with
-    an observer watching; a module holding only an empty parameter gathers too."""
+    an observer watching, and its gradient reduces exactly; a module holding
+    only an empty parameter gathers too."""
     remove = collectives.add_observer(lambda rec, _: None)
     for dtype in (None, torch.bfloat16):
         torch.manual_seed(0)
@@ -338,6 +339,17 @@ def odd_shapes_gather_exactly() -> None:
                 for name, p in model.named_parameters():
                     p.add_(1.0)
                     full[name] += 1.0
+    # Their gradients (expanded ones, an empty one beside uneven splits) reduce
+    # to the reference's: every rank sees the same input, so the mean is it.
+    torch.manual_seed(0)
+    ref = OddShapes()
+    model = copy.deepcopy(ref)
+    fully_shard(model)
+    x = torch.randn(3)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, msg=name)
     empty = nn.Linear(0, 3, bias=False)
     fully_shard(empty)
     empty.unshard()
@@ -636,8 +648,8 @@ def test_recorded_order_prefetches_the_next_distinct_gathering_modules() -> None
 def test_gradient_copy_in_lays_out_rank_major_like_chunk_cat(world: int) -> None:
     """The copy-in before a reduce-scatter: each rank's rows of every gradient, in
     order, cast to the reduce dtype; the same bytes as ``torch._chunk_cat`` on
-    every path (even contiguous splits, a transposed gradient, an uneven split),
-    padding included."""
+    every path (even contiguous splits, a transposed gradient, an uneven split, an
+    empty parameter beside one), padding included."""
     from shardwise.reduce import _copy_in
 
     g = torch.Generator().manual_seed(0)
@@ -646,10 +658,13 @@ def test_gradient_copy_in_lays_out_rank_major_like_chunk_cat(world: int) -> None
         "even": even,
         "transposed": [*even[:2], torch.randn(2, 12, generator=g, dtype=torch.bfloat16).t()],
         "uneven": [*even, torch.randn(world * 2 + 1, 3, generator=g, dtype=torch.bfloat16)],
+        # nn.Linear(0, 5).weight: nothing to send, beside an uneven split
+        "empty": [torch.empty(5, 0, dtype=torch.bfloat16), *even, torch.randn(world + 1, 2, dtype=torch.bfloat16)],
     }
     for name, filled in cases.items():
         slots = [-(-t.shape[0] // world) * math.prod(t.shape[1:]) for t in filled]
-        want = torch._chunk_cat(filled, dim=0, num_chunks=world).float()
+        nonempty = [t for t in filled if t.numel()]
+        want = torch._chunk_cat(nonempty, dim=0, num_chunks=world).float()
         out = torch.full((world, sum(slots)), float("nan"))
         _copy_in(filled, slots, out)
         torch.testing.assert_close(out, want, rtol=0, atol=0, msg=name)  # padding: zeros

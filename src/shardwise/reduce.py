@@ -216,8 +216,8 @@ def _copy_in(filled: list[torch.Tensor], slots: list[int], out: torch.Tensor) ->
         pieces = [t.view(world, s).unbind(0) for t, s in zip(filled, slots)]
         dsts = [d for row in out.unbind(0) for d in row.split(slots)]
         torch._foreach_copy_(dsts, [p[r] for r in range(world) for p in pieces])
-    else:
-        torch._chunk_cat(filled, dim=0, num_chunks=world, out=out)
+    else:  # an empty parameter (slot 0) holds no column; _chunk_cat refuses it
+        torch._chunk_cat([t for t in filled if t.numel()], dim=0, num_chunks=world, out=out)
 
 
 def _record_stream(tensors: list[torch.Tensor], device: torch.device) -> None:
