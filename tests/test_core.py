@@ -659,7 +659,11 @@ def test_gradient_copy_in_lays_out_rank_major_like_chunk_cat(world: int) -> None
         "transposed": [*even[:2], torch.randn(2, 12, generator=g, dtype=torch.bfloat16).t()],
         "uneven": [*even, torch.randn(world * 2 + 1, 3, generator=g, dtype=torch.bfloat16)],
         # nn.Linear(0, 5).weight: nothing to send, beside an uneven split
-        "empty": [torch.empty(5, 0, dtype=torch.bfloat16), *even, torch.randn(world + 1, 2, dtype=torch.bfloat16)],
+        "empty": [
+            torch.empty(5, 0, dtype=torch.bfloat16),
+            *even,
+            torch.randn(world + 1, 2, dtype=torch.bfloat16),
+        ],
     }
     for name, filled in cases.items():
         slots = [-(-t.shape[0] // world) * math.prod(t.shape[1:]) for t in filled]
