@@ -365,6 +365,12 @@ class FSDPContext:
         next backward finishes them.
         """
         self.release_held()
+        for s in self.states:
+            # Sums of a module this synced backward did not reach (gradient sync
+            # or HSDP's all-reduce was off earlier): reduced now, in the same
+            # order on every rank.
+            if s.group is not None and s.group.owes_reduction:
+                s.finish_backward(None)
         if self.is_last_backward:
             self.finish_reduces()
         self.wait_downloads()

@@ -303,7 +303,7 @@ class ModuleState:
         # unsharded parameters go before its buffers are allocated.
         if self.reshard_after_backward:
             self.group.reshard()
-        if grads is not None or self.group.has_accumulated:
+        if grads is not None or self.group.owes_reduction:
             # One reduction in flight at a time (by default) bounds the gradient
             # memory held.
             ctx.finish_reduces(keep=self.max_reduces_in_flight - 1, overlap=True)

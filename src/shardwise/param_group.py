@@ -459,6 +459,11 @@ class ParamGroup(FlatShard):
             ]
             self._accum = None
         used = [g is not None for g in grads]
+        if not any(used) and self._partial is not None and self.requires_all_reduce:
+            # HSDP sums held back, of a module this backward did not reach:
+            # zeros carry them through the reduce-scatter to the all-reduce.
+            held = set(self._partial[0])
+            used = [sp.index in held for sp in self.params]
         self.last_used = used
         if not any(used):
             return None
@@ -483,6 +488,16 @@ class ParamGroup(FlatShard):
     @property
     def has_accumulated(self) -> bool:
         return self._accum is not None
+
+    @property
+    def owes_reduction(self) -> bool:
+        """Whether a synced backward must reduce for this group even if it did not
+        reach its module: a local sum (gradient sync was off) or HSDP sums held
+        back from the all-reduce, which is on again. Left for the module's next
+        use, they would land on a later step."""
+        if not self.requires_gradient_sync:
+            return False
+        return self._accum is not None or (self._partial is not None and self.requires_all_reduce)
 
     def clear_accumulated(self) -> None:
         """Drop local sums and held-back reductions (``reset_iter_state``)."""
