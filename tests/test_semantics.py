@@ -187,6 +187,54 @@ def test_requires_grad_changed_after_fully_shard(world: int) -> None:
     run_distributed(requires_grad_worker, world)
 
 
+# ---- the model cast to another dtype after fully_shard -------------------------------------------
+
+
+def cast_worker(rank: int, world: int, dtype: torch.dtype, first_step: bool) -> None:
+    """``model.to(dtype)`` after ``fully_shard`` (a pure-bf16 fine-tune), before the
+    first forward or after a step: the shards, gathers and gradients follow the
+    new dtype, as under FSDP2, and training matches one process cast alike."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    shard_net(model, {})
+    idxs = batches(3, seed=4)
+    if first_step:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step_and_compare(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1), idxs[0])
+    model.to(dtype)
+    ref.to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    for idx in idxs[1:]:
+        loss = loss_fn(model, idx.chunk(world)[rank])
+        loss.backward()
+        assert_between_steps(model)
+        for n, p in model.named_parameters():
+            assert p.dtype == p.to_local().dtype == p.grad.dtype == dtype, n
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(ref, idx)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(global_mean(loss).to(dtype), ref_loss.detach(), **tol)
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), msg=n, **tol)
+    # Part of one group cast (the root's norm, not its embedding): one clear error.
+    model.norm.to(torch.float32)
+    with pytest.raises(ValueError, match="several dtypes.*cast the whole module"):
+        loss_fn(model, idxs[0].chunk(world)[rank])
+
+
+@pytest.mark.parametrize(
+    "dtype,first_step", [(torch.float64, True), (torch.bfloat16, False)], ids=["f64-after", "bf16"]
+)
+def test_model_cast_after_fully_shard(dtype: torch.dtype, first_step: bool) -> None:
+    run_distributed(cast_worker, 2, dtype, first_step)
+
+
 # ---- reset_iter_state after an exception --------------------------------------------------------
 
 

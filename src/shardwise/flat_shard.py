@@ -48,6 +48,7 @@ from torch.distributed.tensor.placement_types import Placement
 from . import offload
 from .extensions import PackedGather
 from .offload import CPUOffloadPolicy
+from .precision import MixedPrecisionPolicy, resolve_dtypes
 from .sharded_param import ShardedParam
 from .tensor_parallel import contiguous_stride
 
@@ -68,6 +69,8 @@ class FlatShard:
     device: torch.device  # where gathered parameters live
     offload_policy: CPUOffloadPolicy | None
     orig_dtype: torch.dtype
+    mp_policy: MixedPrecisionPolicy
+    label: str
     compute_dtype: torch.dtype
     ext_gather: PackedGather | None
     shard_numel: int
@@ -260,12 +263,25 @@ class FlatShard:
 
         ``module.to_empty()``, ``.to()`` and friends swap a DTensor parameter's
         local tensor for a new one; its values are the truth, so copy them into
-        a flat buffer on their device and make the locals views of it again.
+        a flat buffer on their device, in their dtype (``.to(torch.bfloat16)``:
+        the gathers and gradients follow, the mixed-precision policy still
+        applies), and make the locals views of it again.
         (``ParamGroup.unshard`` notices, by an identity check per parameter.)
         """
         first = local_of(self.params[0].sharded)
         # Offloaded shards go back to host memory (to_empty(device="cuda") moved them).
         device = self._device_for(first.device) if self.offload_policy else first.device
+        dtypes = {local_of(sp.sharded).dtype for sp in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"module {self.label!r}: its parameters now have several dtypes "
+                f"{sorted(map(str, dtypes))}, from a .to() on part of it; one fully_shard "
+                "call keeps them in one flat buffer, so cast the whole module, or shard the "
+                "parts you cast separately"
+            )
+        if first.dtype != self.orig_dtype:  # model.to(torch.bfloat16): the shards' new dtype
+            self.orig_dtype = first.dtype
+            self.compute_dtype, self.reduce_dtype = resolve_dtypes(self.mp_policy, first.dtype)
         self.flat = self._new_flat(device)
         self._locals = []
         for sp in self.params:
