@@ -1,7 +1,8 @@
 """FSDP2's training semantics that real clients rely on, each against one process.
 
 Dataclass and namedtuple inputs and outputs; ``requires_grad`` changed after
-``fully_shard``; ``reset_iter_state`` after an exception; slicing a sharded
+``fully_shard``; the model cast with ``.to(dtype)`` after it;
+``reset_iter_state`` after an exception; slicing a sharded
 ``nn.Sequential``; ``load_state_dict(assign=True)`` into a model sharded on
 the meta device (directly and through DCP's broadcast from rank 0);
 ``reshard_after_forward``'s defaults (side by side with FSDP2); frozen modules
