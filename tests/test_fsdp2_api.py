@@ -151,9 +151,7 @@ def check_unshard_in_backward(rank: int, world: int) -> None:
 def check_is_last_backward(rank: int, world: int) -> None:
     ref, model = reference_and_sharded(hsdp=False)
     micro = batches(2)
-    loss_fn(model, micro[0].chunk(world)[rank]).backward()  # the root context now exists
-    model.zero_grad()
-    model.set_is_last_backward(False)
+    model.set_is_last_backward(False)  # before the first forward, as FSDP2 allows
     loss_fn(model, micro[0].chunk(world)[rank]).backward()
     assert model.fsdp_context.pending_reduces, "a reduction should still be in flight"
     model.set_is_last_backward(True)
@@ -225,7 +223,10 @@ def check_post_optim_event(rank: int, world: int) -> None:
     _, model = reference_and_sharded(hsdp=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     idx = batches(1)[0].chunk(world)[rank]
+    first = Event()
+    model.set_post_optim_event(first)  # before the first forward: it waits on it
     loss_fn(model, idx).backward()
+    assert first.waits == 1
     opt.step()
     event = Event()
     model.set_post_optim_event(event)
@@ -315,12 +316,17 @@ def check_backend_specific_errors(rank: int, world: int) -> None:
         (lambda: model.set_requires_all_reduce("no"), TypeError),
         (lambda: model.set_reduce_scatter_max_input_buffers(0), ValueError),
         (lambda: model.set_all_reduce_hook(3), TypeError),
-        (lambda: model.set_is_last_backward(True), RuntimeError),  # before any forward
     ]
     for call, exc in bad:
         with pytest.raises(exc):
             call()
     assert model._shardwise_state.group.divide_factor is None
+    with pytest.raises(RuntimeError, match="deepcopy.*state_dict"):
+        copy.deepcopy(model)
+    # FSDP2's signature: recurse may be positional.
+    model.set_reshard_after_forward(False, False)
+    assert not model._shardwise_state.reshard_after_forward
+    assert model.extra._shardwise_state.reshard_after_forward
     # Per module, as in FSDP2: the root's setting leaves its children alone.
     model.set_gradient_divide_factor(2.0)
     assert model._shardwise_state.group.divide_factor == 2.0
@@ -366,6 +372,43 @@ def check_forward_method(rank: int, world: int) -> None:
     assert_between_steps(model)
     with pytest.raises(ValueError, match="no method"):
         shardwise.register_fsdp_forward_method(model, "sample")
+    # A module without forward, called only through a registered method.
+    torch.manual_seed(0)
+    ref_enc = Encoder()
+    enc = copy.deepcopy(ref_enc)
+    fully_shard(enc)
+    shardwise.register_fsdp_forward_method(enc, "encode")
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(5))
+    enc.encode(x.chunk(world)[rank]).square().mean().backward()
+    ref_enc.encode(x).square().mean().backward()
+    assert_between_steps(enc)
+    torch.testing.assert_close(enc.proj.weight.grad.full_tensor(), ref_enc.proj.weight.grad)
+
+
+class Encoder(nn.Module):
+    """No forward of its own: its users call ``encode``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+
+def check_unshard_handle(rank: int, world: int) -> None:
+    ref, model = reference_and_sharded(hsdp=False)
+    idx = batches(1)[0]
+    handle = model.extra.unshard(async_op=True)
+    assert handle is not None
+    handle.wait()  # waited for before forward: gathered
+    assert not isinstance(model.extra.fc1.weight, torch.distributed.tensor.DTensor)
+    handle = model.stages[0].a.unshard(async_op=True)
+    loss_fn(model, idx.chunk(world)[rank]).backward()  # its forward used that gather
+    assert handle is not None
+    handle.wait()  # late: nothing left to wait for, nothing gathered again
+    assert_between_steps(model)
+    close(grads_of(model), reference_grads(ref, idx, world))
 
 
 CHECKS_W2: dict[str, Callable[[int, int], None]] = {
@@ -381,6 +424,7 @@ CHECKS_W2: dict[str, Callable[[int, int], None]] = {
     "set_separate_reduce_scatter_group": check_separate_reduce_scatter_group,
     "backend-specific and bad input": check_backend_specific_errors,
     "register_fsdp_forward_method": check_forward_method,
+    "unshard(async_op=True)": check_unshard_handle,
 }
 
 

@@ -196,7 +196,9 @@ def _as_modules(module: Any) -> list[nn.Module]:
             raise ValueError(
                 f"{type(m).__name__} is already sharded by fully_shard; call it once per module"
             )
-        if type(m).forward is nn.Module.forward:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            # (Another module without forward may still be called through a
+            # method given to register_fsdp_forward_method, as under FSDP2.)
             raise ValueError(
                 f"fully_shard needs a module with a forward, got a {type(m).__name__} "
                 "(a container: its hooks would never run); shard the modules inside it, e.g. "

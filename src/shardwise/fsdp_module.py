@@ -22,15 +22,23 @@ from .param_group import ParamGroup
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it.
+
+    It waits for the gather its ``unshard`` issued, and only that one: once a
+    forward has used and resharded it, a late ``wait()`` does nothing (it must
+    not gather again and leave the module's gathered copies installed as its
+    parameters), as under FSDP2.
+    """
 
     def __init__(self, group: ParamGroup | None) -> None:
         self._group = group
+        self._gather = None if group is None else group.in_flight
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_unsharded()
-            self._group = None
+        group, gather = self._group, self._gather
+        self._group = self._gather = None
+        if group is not None and gather is not None and group.in_flight is gather:
+            group.wait_unsharded()
 
 
 class FSDPModule:
@@ -91,9 +99,7 @@ class FSDPModule:
         found = [m._shardwise_state for m in modules if isinstance(m, FSDPModule)]
         return list({id(s): s for s in found}.values())  # a group of several modules once
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, *, recurse: bool = True
-    ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(
                 f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
@@ -162,8 +168,7 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves its reductions in flight (more microbatches
         follow before the optimizer); the backward after finishes them."""
-        ctx = self._root_context("set_is_last_backward")
-        ctx.is_last_backward = _bool("set_is_last_backward", is_last_backward)
+        self._set_in_context("is_last_backward", _bool("set_is_last_backward", is_last_backward))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but holds the sums back from the replicate
@@ -196,7 +201,7 @@ class FSDPModule:
         on it (once; set a new one each step)."""
         if not hasattr(event, "wait"):
             raise TypeError(f"set_post_optim_event expects a torch.Event, got {event!r}")
-        self._root_context("set_post_optim_event").post_optim_event = event
+        self._set_in_context("post_optim_event", event)
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """``comm(output_tensor=, input_tensor=, group=, async_op=)`` gathers this
@@ -282,11 +287,22 @@ class FSDPModule:
         for g in groups:
             g.comm_alloc = collectives.symmetric_allocator(g.shard_group, g.device)
 
-    def _root_context(self, what: str) -> FSDPContext:
-        ctx = self._shardwise_state.context
-        if ctx is None:
-            raise RuntimeError(f"{what}: run one forward through the root first")
-        return ctx
+    def _set_in_context(self, name: str, value: Any) -> None:
+        """Set the root context's ``name``; before the first forward made it, kept
+        and applied then (FSDP2 takes these before the first forward too)."""
+        state = self._shardwise_state
+        if state.context is None:
+            state.context_settings[name] = value
+        else:
+            setattr(state.context, name, value)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise RuntimeError(
+            f"copy.deepcopy of {type(self).__name__}, a module sharded by fully_shard, is not "
+            "supported (its parameters are views of per-rank buffers tied to a process group); "
+            "copy the model before fully_shard, or build a new one and load "
+            "model.state_dict() into it"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, after a backward that raised too.

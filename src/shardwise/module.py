@@ -74,6 +74,9 @@ class ModuleState:
         self.bwd_targets: list[ModuleState] | None = None
         self.fwd_default: list[ModuleState] = []  # from the context's static order
         self.bwd_default: list[ModuleState] = []
+        # The root context's settings made before it exists (set_is_last_backward
+        # before the first forward, as FSDP2 allows): applied when it is made.
+        self.context_settings: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"ModuleState({self.label!r}, phase={self.phase.name})"
@@ -101,6 +104,10 @@ class ModuleState:
                     s.group.label = s.label
                 states.append(s)
         ctx = FSDPContext(self, states)
+        for s in reversed(states):  # the root's own last: it wins
+            for name, value in s.context_settings.items():
+                setattr(ctx, name, value)
+            s.context_settings.clear()
         gathering = [s for s in states if s.group is not None]
         for s in states:
             s.context = ctx

@@ -292,6 +292,11 @@ class ParamGroup(FlatShard):
         (those get one flat rank-major buffer, as FSDP2 gives them)."""
         return not self.interleaved and self.comm_alloc is None and self.custom_all_gather is None
 
+    @property
+    def in_flight(self) -> Any:
+        """The gather issued and not yet waited for (None: none is)."""
+        return self._pending if self.state is GroupState.GATHERING else None
+
     def wait_unsharded(self) -> None:
         if self.state is GroupState.SHARDED:
             self.unshard()
