@@ -46,8 +46,12 @@ def assert_between_steps(model: nn.Module) -> None:
 
 
 def shard_net(model: Net, cfg: dict) -> None:
-    """Every block, then the root; cfg may set raf, shard_stage, mesh, mp_policy."""
-    kw = {"mesh": cfg.get("mesh"), "mp_policy": cfg.get("mp_policy")}
+    """Every block, then the root; cfg may set raf, shard_stage, mesh, mp_policy, check."""
+    kw = {
+        "mesh": cfg.get("mesh"),
+        "mp_policy": cfg.get("mp_policy"),
+        "check": cfg.get("check", False),
+    }
     raf = cfg.get("raf", True)
     for stage in model.stages:
         fully_shard(stage.a, reshard_after_forward=raf, **kw)

@@ -236,6 +236,63 @@ def test_model_cast_after_fully_shard(dtype: torch.dtype, first_step: bool) -> N
     run_distributed(cast_worker, 2, dtype, first_step)
 
 
+# ---- backward passes that do not accumulate into every parameter ------------------------------
+
+
+def partial_backward_worker(rank: int, world: int) -> None:
+    """``.grad`` is written only where autograd itself would accumulate: not by
+    ``torch.autograd.grad`` (gradient-norm logging, adversarial training on
+    an activation), and by ``backward(inputs=...)`` only for the inputs named."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    shard_net(model, {"check": True})
+    idx = batches(1, seed=6)[0]
+    mine = idx.chunk(world)[rank]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    # autograd.grad on the parameters, then the step's backward: not doubled.
+    loss = loss_fn(model, mine)
+    torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    assert all(p.grad is None for p in params), "autograd.grad wrote .grad"
+    loss.backward()
+    loss_fn(ref, idx).backward()
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
+    model.zero_grad()
+    ref.zero_grad()
+
+    # autograd.grad on an activation (FGM/PGD), then backward through all of it.
+    hidden: list[torch.Tensor] = []
+    handle = model.stages[1].register_forward_hook(lambda m, a, out: hidden.append(out))
+    loss = loss_fn(model, mine)
+    handle.remove()
+    (g,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    assert g.shape == hidden[0].shape
+    assert all(p.grad is None for p in params), "autograd.grad wrote .grad"
+    loss.backward()
+    assert_between_steps(model)
+    loss_fn(ref, idx).backward()
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
+    model.zero_grad()
+    ref.zero_grad()
+
+    # backward(inputs=[one parameter]): that one gets its gradient, nothing else.
+    loss_fn(model, mine).backward(inputs=[model.stages[1].a.fc1.weight])
+    assert_between_steps(model)
+    loss_fn(ref, idx).backward(inputs=[ref.stages[1].a.fc1.weight])
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        if rp.grad is None:
+            assert p.grad is None, f"{n} got a gradient backward(inputs=...) did not ask for"
+        else:
+            torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_only_accumulating_backward_passes_write_grad() -> None:
+    run_distributed(partial_backward_worker, 2)
+
+
 # ---- reset_iter_state after an exception --------------------------------------------------------
 
 

@@ -147,6 +147,8 @@ class ModuleState:
             g = s.group
             if in_backward and not s.unshard_in_backward:
                 continue  # its backward needs no parameters
+            if in_backward and g is not None and not g.reached_in_backward():
+                continue  # this backward stops before it (autograd.grad on an activation)
             if g is not None and not s.backward_done and g.state is GroupState.SHARDED:
                 g.unshard()
                 g.prefetched = True

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import collectives
+from .context import Phase
 from .extensions import Extension, PackedGather, has_hooks
 from .flat_shard import FlatShard, local_of
 from .offload import CPUOffloadPolicy
@@ -96,10 +97,28 @@ class _Unsharded(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
         group: ParamGroup = ctx.group
         full: list[torch.Tensor | None] = [None] * len(group.params)
-        for sp, g in zip(ctx.trainable, grads):
-            full[sp.index] = g
+        # Edges to the sharded parameters (the tensor inputs), in order.
+        # Only where this pass accumulates into the parameter (its AccumulateGrad
+        # runs): not under torch.autograd.grad, which returns gradients and
+        # leaves .grad as it was, and under backward(inputs=...) only for the
+        # inputs named. Where autograd would not write .grad, neither do we.
+        for sp, g, (node, _) in zip(ctx.trainable, grads, ctx.next_functions):
+            if g is not None and will_run(node):
+                full[sp.index] = g
         group.owner.post_backward(full)
         return (None,) * (2 + len(grads))
+
+
+def will_run(node: Any) -> bool:
+    """Whether the backward pass running now executes autograd node ``node``.
+    (torch refuses the question for the leaves ``autograd.grad`` asked for; it
+    does not accumulate into those.)"""
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
 
 
 class ParamGroup(FlatShard):
@@ -161,6 +180,8 @@ class ParamGroup(FlatShard):
         self._gather_in: torch.Tensor | None = None
         # The current forward's _Unsharded outputs and the parameters they stand for.
         self.attachment: Attachment | None = None
+        # Their autograd node, kept for backward (``reached_in_backward``).
+        self._forward_node: Any = None
         self._accum: list[torch.Tensor | None] | None = None
 
         layouts = list(tp) if tp is not None else [None] * len(named)
@@ -368,6 +389,9 @@ class ParamGroup(FlatShard):
                 return
             out = _Unsharded.apply(self, trainable, *(sp.sharded for sp in trainable))
             out = out if isinstance(out, tuple) else (out,)
+            ctx = self.owner.context
+            if ctx is None or ctx.phase is not Phase.BACKWARD:  # not a recomputation
+                self._forward_node = out[0].grad_fn
             if self.has_tp:
                 out = tuple(t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(trainable, out))
             self.attachment = Attachment(trainable, out)
@@ -378,6 +402,13 @@ class ParamGroup(FlatShard):
         """Install an attachment's tracked parameters (again: see the module docstring)."""
         for sp, t in zip(attachment.params, attachment.tensors):
             sp.install(t)
+
+    def reached_in_backward(self) -> bool:
+        """Whether the backward running now reaches this group's post-backward (an
+        ``autograd.grad`` on an activation stops short of the modules before it:
+        gathering those ahead would be wasted). True when unknown."""
+        node = self._forward_node
+        return node is None or will_run(node)
 
     @property
     def attached(self) -> bool:
