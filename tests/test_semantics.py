@@ -194,7 +194,8 @@ def test_requires_grad_changed_after_fully_shard(world: int) -> None:
 def cast_worker(rank: int, world: int, dtype: torch.dtype, first_step: bool) -> None:
     """``model.to(dtype)`` after ``fully_shard`` (a pure-bf16 fine-tune), before the
     first forward or after a step: the shards, gathers and gradients follow the
-    new dtype, as under FSDP2, and training matches one process cast alike."""
+    new dtype, as under FSDP2, and training matches one process cast alike,
+    also when the first forward after the cast is an inference-mode eval."""
     torch.manual_seed(0)
     ref = Net()
     model = copy.deepcopy(ref)
@@ -205,6 +206,8 @@ def cast_worker(rank: int, world: int, dtype: torch.dtype, first_step: bool) -> 
         step_and_compare(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1), idxs[0])
     model.to(dtype)
     ref.to(dtype)
+    with torch.inference_mode():  # an evaluation first: the re-pack happens inside it
+        loss_fn(model, idxs[0].chunk(world)[rank])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
@@ -240,9 +243,9 @@ def test_model_cast_after_fully_shard(dtype: torch.dtype, first_step: bool) -> N
 
 
 def partial_backward_worker(rank: int, world: int) -> None:
-    """``.grad`` is written only where autograd itself would accumulate: not by
+    """``.grad`` is written only by a backward that accumulates: not by
     ``torch.autograd.grad`` (gradient-norm logging, adversarial training on
-    an activation), and by ``backward(inputs=...)`` only for the inputs named."""
+    an activation); and the parameters' own hooks run as under FSDP2."""
     torch.manual_seed(0)
     ref = Net()
     model = copy.deepcopy(ref)
@@ -250,6 +253,7 @@ def partial_backward_worker(rank: int, world: int) -> None:
     idx = batches(1, seed=6)[0]
     mine = idx.chunk(world)[rank]
     params = [p for p in model.parameters() if p.requires_grad]
+    names = {id(p): n for n, p in model.named_parameters()}  # sharded: before any forward
 
     # autograd.grad on the parameters, then the step's backward: not doubled.
     loss = loss_fn(model, mine)
@@ -278,18 +282,44 @@ def partial_backward_worker(rank: int, world: int) -> None:
     model.zero_grad()
     ref.zero_grad()
 
-    # backward(inputs=[one parameter]): that one gets its gradient, nothing else.
+    # As under FSDP2 the sharded parameters are not in the autograd graph:
+    # backward(inputs=[p]) reaches no module, and writes no gradient (the
+    # root stays gathered, as after any forward without backward).
     loss_fn(model, mine).backward(inputs=[model.stages[1].a.fc1.weight])
-    assert_between_steps(model)
-    loss_fn(ref, idx).backward(inputs=[ref.stages[1].a.fc1.weight])
+    assert all(p.grad is None for p in params)
+
+    # Their hooks: a tensor hook never runs (autograd never computes their
+    # gradient: FSDP2's behaviour, where a clamp hook used to get None), a
+    # post-accumulate-grad hook runs once per backward, with the reduced
+    # gradient on .grad. torch's optimizer-in-backward idiom then trains as
+    # one process does.
+    seen: list[str] = []
+    handles = [p.register_hook(lambda g: seen.append("tensor hook")) for p in params]
+    opts = {p: torch.optim.SGD([p], lr=0.1) for p in params}
+
+    def step_in_backward(p: torch.Tensor) -> None:
+        assert p.grad is not None, f"{names[id(p)]}: hook ran before its gradient"
+        seen.append(names[id(p)])
+        opts[p].step()
+        opts[p].zero_grad()
+
+    handles += [p.register_post_accumulate_grad_hook(step_in_backward) for p in params]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step_idx in batches(2, seed=7):
+        seen.clear()
+        loss_fn(model, step_idx.chunk(world)[rank]).backward()
+        assert sorted(seen) == sorted(names.values()), seen  # each once, no tensor hook
+        assert_between_steps(model)
+        loss_fn(ref, step_idx).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for h in handles:
+        h.remove()
     for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
-        if rp.grad is None:
-            assert p.grad is None, f"{n} got a gradient backward(inputs=...) did not ask for"
-        else:
-            torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), atol=1e-5, rtol=1e-5, msg=n)
 
 
-def test_only_accumulating_backward_passes_write_grad() -> None:
+def test_autograd_grad_and_parameter_hooks() -> None:
     run_distributed(partial_backward_worker, 2)
 
 

@@ -258,6 +258,7 @@ class FlatShard:
         if not self.aliased and device.type != "meta":
             self.unsharded_flat.untyped_storage().resize_(0)  # views first: they check bounds
 
+    @torch.inference_mode(False)  # from an eval's gather: the new buffers are the parameters
     def repack(self) -> None:
         """Re-point shards into a flat buffer after someone replaced them.
 

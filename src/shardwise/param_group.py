@@ -83,11 +83,19 @@ class Attachment:
 
 
 class _Unsharded(torch.autograd.Function):
-    """Hands out the unsharded parameters; its backward is the post-backward."""
+    """Hands out the unsharded parameters; its backward is the post-backward.
+
+    Its one tensor input is the group's anchor, an empty leaf that requires
+    grad, not the sharded parameters: those stay out of the autograd graph,
+    as under FSDP2, so autograd never runs their AccumulateGrad (which would
+    call the user's tensor hooks with ``None`` and post-accumulate-grad hooks
+    before any gradient exists); ``assign_grads`` runs the latter once the
+    reduced gradient is on ``.grad``.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, group: ParamGroup, trainable: list[ShardedParam], *sharded: torch.Tensor
+        ctx: Any, group: ParamGroup, trainable: list[ShardedParam], anchor: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.trainable = group, trainable
         ctx.set_materialize_grads(False)
@@ -97,27 +105,24 @@ class _Unsharded(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
         group: ParamGroup = ctx.group
         full: list[torch.Tensor | None] = [None] * len(group.params)
-        # Edges to the sharded parameters (the tensor inputs), in order.
-        # Only where this pass accumulates into the parameter (its AccumulateGrad
-        # runs): not under torch.autograd.grad, which returns gradients and
-        # leaves .grad as it was, and under backward(inputs=...) only for the
-        # inputs named. Where autograd would not write .grad, neither do we.
-        for sp, g, (node, _) in zip(ctx.trainable, grads, ctx.next_functions):
-            if g is not None and will_run(node):
+        # Only a pass that accumulates into leaves reaches the anchor's
+        # AccumulateGrad: not torch.autograd.grad (gradient-norm logging, or
+        # FGM on an activation), which leaves .grad as it was; so do we.
+        (anchor_edge,) = ctx.next_functions
+        if will_run(anchor_edge[0]):
+            for sp, g in zip(ctx.trainable, grads):
                 full[sp.index] = g
         group.owner.post_backward(full)
-        return (None,) * (2 + len(grads))
+        return (None, None, None)
 
 
 def will_run(node: Any) -> bool:
-    """Whether the backward pass running now executes autograd node ``node``.
-    (torch refuses the question for the leaves ``autograd.grad`` asked for; it
-    does not accumulate into those.)"""
+    """Whether the backward pass running now executes autograd node ``node``."""
     if node is None:
         return False
     try:
         return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:
+    except RuntimeError:  # a leaf autograd.grad asked for: it does not accumulate
         return False
 
 
@@ -182,6 +187,8 @@ class ParamGroup(FlatShard):
         self.attachment: Attachment | None = None
         # Their autograd node, kept for backward (``reached_in_backward``).
         self._forward_node: Any = None
+        # The one input of that node (``_Unsharded``): it needs one that requires grad.
+        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._accum: list[torch.Tensor | None] | None = None
 
         layouts = list(tp) if tp is not None else [None] * len(named)
@@ -387,7 +394,7 @@ class ParamGroup(FlatShard):
             trainable = self.trainable
             if not trainable:
                 return
-            out = _Unsharded.apply(self, trainable, *(sp.sharded for sp in trainable))
+            out = _Unsharded.apply(self, trainable, self._anchor)
             out = out if isinstance(out, tuple) else (out,)
             ctx = self.owner.context
             if ctx is None or ctx.phase is not Phase.BACKWARD:  # not a recomputation
@@ -553,3 +560,8 @@ class ParamGroup(FlatShard):
                 p.grad = DTensor(g, p._spec, requires_grad=False)  # type: ignore[attr-defined]
             else:
                 local_of(p.grad).add_(g)
+            # torch's optimizer-in-backward idiom steps here, as under FSDP2.
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                for hook in list(hooks.values()):
+                    hook(p)
