@@ -380,8 +380,52 @@ def test_resume_falls_back_past_a_damaged_checkpoint(reference: Path, tmp_path: 
     shard = _truncate_a_shard(run / "checkpoints" / "step_000024")
     r = shardwise("train", "--resume", "run", "--nproc", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    warning = r.stderr.strip()
+    warning, *notes = r.stderr.strip().splitlines()
     assert f"{shard.name} is truncated" in warning and "using step_000016 instead" in warning
-    assert len(warning.splitlines()) == 1 and "Traceback" not in r.stderr
+    assert notes == [
+        "note: step_000024 is from the run this one replaces (resumed at step 16); "
+        "kept as step_000024.replaced"
+    ]
     assert "resumed at step 16" in r.stdout
     assert [row["loss"] for row in rows(run)] == [row["loss"] for row in rows(reference)]
+
+
+@pytest.mark.timeout(180)
+def test_resume_from_an_older_checkpoint_replaces_the_later_ones(
+    reference: Path, tmp_path: Path
+) -> None:
+    """Back to step 8 (after a divergence, say), run on to 12, stop: the next
+    --resume of the run continues from step 12, not from the abandoned 24; the
+    abandoned checkpoints are kept aside, never deleted."""
+    run = _copy_run(reference, tmp_path)
+    back = str(run / "checkpoints" / "step_000008")
+    r = shardwise("train", "--resume", back, "--steps", "12", "--nproc", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "kept as step_000016.replaced" in r.stderr and "kept as step_000024.replaced" in r.stderr
+    assert checkpoints(run) == [
+        "step_000008",
+        "step_000012",
+        "step_000016.replaced",
+        "step_000024.replaced",
+    ]
+    assert (run / "checkpoints" / "step_000024.replaced" / ".metadata").is_file()
+    r = shardwise("train", "--resume", "run", "--steps", "16", "--nproc", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed at step 12" in r.stdout
+    assert [row["step"] for row in rows(run)] == list(range(1, 17))
+
+
+@pytest.mark.timeout(150)
+def test_training_goes_on_when_its_output_is_closed(tmp_path: Path) -> None:
+    """``shardwise train ... | head -1``: the reader goes, the run finishes and saves."""
+    cmd = [sys.executable, "-m", "shardwise", "train", *FAST, "--nproc", "2", "--out", "run"]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # what head -1 does after its line
+    _, err = proc.communicate(timeout=140)
+    assert proc.returncode == 0, err
+    assert checkpoints(tmp_path / "run") == ["step_000024"]
+    assert [row["step"] for row in rows(tmp_path / "run")] == list(range(1, 25))

@@ -3,8 +3,10 @@
 import sys
 
 from shardwise.cli.main import in_worker, main
+from shardwise.cli.worker import keep_going_without_stdout
 
 if __name__ == "__main__":
+    keep_going_without_stdout()
     if not in_worker():
         sys.exit(main())
     # One rank under torchrun (``torchrun ... -m shardwise train``): ends as the

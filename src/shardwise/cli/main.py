@@ -39,6 +39,10 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the console script: a process of its own
+        from .worker import keep_going_without_stdout
+
+        keep_going_without_stdout()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(), file=sys.stdout if argv else sys.stderr)

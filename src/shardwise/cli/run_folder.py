@@ -196,6 +196,28 @@ def commit(config: dict[str, Any]) -> None:
         ]
     _replace(out / "config.json", json.dumps(config, indent=2) + "\n")
     _replace(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    if config["resumed_metrics"]:
+        _set_aside_checkpoints_after(out / "checkpoints", config["resume_step"])
+
+
+def _set_aside_checkpoints_after(folder: Path, step: int) -> None:
+    """Checkpoints past the resumed step are that replaced future's too: renamed
+    ``step_N.replaced`` (kept, never deleted), so that the next ``--resume``
+    of this run, ``sample`` and ``export`` find this run's latest, not theirs."""
+    if not folder.is_dir():
+        return
+    for c in sorted(folder.glob("step_*")):
+        if _STEP.fullmatch(c.name) and int(c.name[len("step_") :]) > step:
+            target, n = c.with_name(f"{c.name}.replaced"), 1
+            while target.exists():
+                n += 1
+                target = c.with_name(f"{c.name}.replaced{n}")
+            os.replace(c, target)
+            print(
+                f"note: {c.name} is from the run this one replaces (resumed at step {step}); "
+                f"kept as {target.name}",
+                file=sys.stderr,
+            )
 
 
 def _replace(path: Path, text: str) -> None:

@@ -45,6 +45,39 @@ def exit_on_first_signal() -> None:
     threading.Thread(target=wait, name="shardwise-early-exit", daemon=True).start()
 
 
+class _OutputOrNothing:
+    """``sys.stdout`` that turns quiet once its reader is gone (``| head -1``, a
+    dead ssh or tee): a progress line must not end the training it reports on."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)  # type: ignore[attr-defined, no-any-return]
+            except BrokenPipeError:
+                self._gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()  # type: ignore[attr-defined]
+            except BrokenPipeError:
+                self._gone = True
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+def keep_going_without_stdout() -> None:
+    """Once for a process running a command: its output may vanish, it goes on."""
+    if not isinstance(sys.stdout, _OutputOrNothing):
+        sys.stdout = _OutputOrNothing(sys.stdout)  # type: ignore[assignment]
+
+
 def end(code: int | str | None) -> None:
     """End a worker whose command returned: output flushed, then ``os._exit``.
 
@@ -81,6 +114,7 @@ def run_to_end(main: Callable[[], int | None]) -> None:
 
 if __name__ == "__main__":
     exit_on_first_signal()
+    keep_going_without_stdout()
     # Run as a script, this file's folder is first on sys.path; its main.py
     # and train.py must not shadow anything torch or others import.
     del sys.path[0]
