@@ -402,6 +402,7 @@ def test_resume_from_an_older_checkpoint_replaces_the_later_ones(
     r = shardwise("train", "--resume", back, "--steps", "12", "--nproc", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "kept as step_000016.replaced" in r.stderr and "kept as step_000024.replaced" in r.stderr
+    assert "note: --steps 12 differs from the resumed run's 24: from step 8 on" in r.stderr
     assert checkpoints(run) == [
         "step_000008",
         "step_000012",

@@ -229,6 +229,17 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
                     "does not match it"
                 )
     c = {k: given.get(k, resumed.get(k, v)) for k, v in DEFAULTS.items()}
+    if ckpt and os.environ.get("RANK", "0") == "0":  # once, under torchrun too
+        for k in ("steps", "batch_size", "grad_accum", "lr", "warmup"):
+            if k in given and resumed.get(k) is not None and given[k] != resumed[k]:
+                # Allowed (a longer run, say), but the curve is no longer the
+                # uninterrupted run's: say so rather than change it quietly.
+                print(
+                    f"note: --{k.replace('_', '-')} {given[k]} differs from the resumed run's "
+                    f"{resumed[k]}: from step {ckpt_step} on the run follows {given[k]}"
+                    + (" (the learning-rate schedule too)" if k in ("steps", "warmup") else ""),
+                    file=sys.stderr,
+                )
     model_config = finetune.resolve(c, given, resumed, args.resume)
     if model_config is None:  # the built-in GPT
         model_cfg = SIZES[c["model"]].with_seq_len(c["seq_len"])
