@@ -81,3 +81,18 @@ def loss_fn(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 def batches(steps: int, batch: int = 12, seq: int = 6, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(steps)]
+
+
+class TwoPaths(nn.Module):
+    """An encoder and a decoder; a step may skip the decoder (sharded as one group, or each alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.dec = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        for name in path:  # "ed": encoder then decoder; "e": encoder only; "ede": again
+            x = torch.tanh((self.enc if name == "e" else self.dec)(x))
+        return self.head(x).square().mean()

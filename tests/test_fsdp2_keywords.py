@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import shardwise
 from dist_utils import run_distributed, run_named_checks
-from models import Net, batches, loss_fn
+from models import Net, TwoPaths, batches, loss_fn
 from shardwise import collectives, fully_shard
 from test_core import (
     assert_between_steps,
@@ -93,21 +93,6 @@ def check_list_of_modules(rank: int, world: int) -> None:
         finally:
             remove_g()
             remove_r()
-
-
-class TwoPaths(nn.Module):
-    """An encoder and a decoder sharded as one group; a step may skip the decoder."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Linear(8, 8)
-        self.dec = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, path: str) -> torch.Tensor:
-        for name in path:  # "ed": encoder then decoder; "e": encoder only; "ede": again
-            x = torch.tanh((self.enc if name == "e" else self.dec)(x))
-        return self.head(x).square().mean()
 
 
 def check_list_partial_runs(rank: int, world: int) -> None:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardwise
 from dist_utils import run_distributed
-from models import Net, batches, loss_fn
+from models import Net, TwoPaths, batches, loss_fn
 from shardwise import MixedPrecisionPolicy, collectives
 from test_core import assert_between_steps, global_mean, reference_step, shard_net
 
@@ -134,42 +134,30 @@ def test_hsdp_2x2_parity_with_accumulation() -> None:
     run_distributed(accumulation_worker, 4, True)
 
 
-class TwoHeads(nn.Module):
-    """A trunk and two heads, one per task: a microbatch uses one head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(4, 8)
-        self.head_a = nn.Linear(8, 3)
-        self.head_b = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, task: str) -> torch.Tensor:
-        return getattr(self, f"head_{task}")(torch.tanh(self.trunk(x)))
-
-
 def alternating_heads_worker(rank: int, world: int, hsdp: bool, hold: str) -> None:
     """Accumulation where the last (synced) microbatch does not run a module that
-    an earlier one did: its local sum (``hold="sync"``: gradient sync off) or its
-    held-back reduce-scatter (``"all_reduce"``: HSDP's all-reduce off) is reduced
-    at the end of that backward, in time for the step, not at its next use."""
+    an earlier one did (the decoder: a task that skips it): its local sum
+    (``hold="sync"``: gradient sync off) or its held-back reduce-scatter
+    (``"all_reduce"``: HSDP's all-reduce off) is reduced at the end of that
+    backward, in time for the step, not at its next use."""
     torch.manual_seed(0)
-    ref = TwoHeads()
+    ref = TwoPaths()
     model = copy.deepcopy(ref)
     mesh = shardwise.hsdp_mesh(2) if hsdp else None
-    for m in (model.head_a, model.head_b, model):
+    for m in (model.enc, model.dec, model):
         shardwise.fully_shard(m, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(3)
     for step in range(3):
-        x = torch.randn(2, 8, 4, generator=g)  # one microbatch per task
-        for i, task in enumerate("ab"):
+        x = torch.randn(2, 8, 8, generator=g)  # one microbatch per task
+        for i, path in enumerate(["ed", "e"]):
             if hold == "sync":
                 model.set_requires_gradient_sync(i == 1)
             else:
                 model.set_requires_all_reduce(i == 1)
-            model(x[i].chunk(world)[rank], task).square().mean().backward()
-            ref(x[i], task).square().mean().backward()
+            model(x[i].chunk(world)[rank], path).backward()
+            ref(x[i], path).backward()
         assert_between_steps(model)
         for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
             assert p.grad is not None, f"step {step}: {n} has no gradient"

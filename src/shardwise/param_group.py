@@ -117,13 +117,10 @@ class _Unsharded(torch.autograd.Function):
 
 
 def will_run(node: Any) -> bool:
-    """Whether the backward pass running now executes autograd node ``node``."""
-    if node is None:
-        return False
-    try:
-        return bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:  # a leaf autograd.grad asked for: it does not accumulate
-        return False
+    """Whether the backward pass running now executes autograd node ``node``: an
+    ``_Unsharded`` node, or the anchor's AccumulateGrad (which no ``autograd.grad``
+    asks for, the one leaf torch would refuse the question about)."""
+    return bool(torch._C._will_engine_execute_node(node))
 
 
 class ParamGroup(FlatShard):

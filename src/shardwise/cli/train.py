@@ -229,7 +229,7 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
                     "does not match it"
                 )
     c = {k: given.get(k, resumed.get(k, v)) for k, v in DEFAULTS.items()}
-    if ckpt and os.environ.get("RANK", "0") == "0":  # once, under torchrun too
+    if ckpt:  # (resolve runs once: in our launcher, or on rank 0 under torchrun)
         for k in ("steps", "batch_size", "grad_accum", "lr", "warmup"):
             if k in given and resumed.get(k) is not None and given[k] != resumed[k]:
                 # Allowed (a longer run, say), but the curve is no longer the
