@@ -15,6 +15,7 @@ from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .materialize import materialize
 from .offload import CPUOffloadPolicy, OffloadPolicy
 from .optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
+from .patch import fsdp2_patched, patch_fsdp2, unpatch_fsdp2
 from .precision import MixedPrecisionPolicy
 from .trace import Tracer, trace
 
@@ -30,13 +31,16 @@ __all__ = [
     "Tracer",
     "UnshardHandle",
     "clip_grad_norm_",
+    "fsdp2_patched",
     "fully_shard",
     "hsdp_mesh",
     "materialize",
     "no_sync",
     "optimizer_in_backward",
+    "patch_fsdp2",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "trace",
+    "unpatch_fsdp2",
 ]
 __version__ = "0.1.0"

@@ -179,7 +179,9 @@ def fully_shard(
         m._register_load_state_dict_pre_hook(_before_load, with_module=True)
         cls = type(m)
         if cls not in _subclass_cache:
-            _subclass_cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _subclass_cache[cls] = type(
+                f"FSDP{cls.__name__}", (FSDPModule, cls), {"_shardwise_orig_cls": cls}
+            )
         m.__class__ = _subclass_cache[cls]
     return module
 

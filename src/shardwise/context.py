@@ -213,6 +213,11 @@ class FSDPContext:
             return []
         return self.fwd.needs(state)
 
+    @property
+    def in_forward(self) -> bool:
+        """Whether the root's forward is running (between its pre- and post-forward)."""
+        return self._in_forward
+
     def end_forward(self) -> None:
         self._in_forward = False
         for s in self.states:

@@ -1,7 +1,13 @@
 """``FSDPModule``: the public face ``fully_shard`` mixes into a module's class.
 
 torch's ``FSDPModule`` methods with FSDP2's meaning (the README has the table
-of every FSDP2 name and its status here). Each method only records a setting
+of every FSDP2 name and its status here). The class derives from torch's
+``FSDPModule``: frameworks decide on ``isinstance(m, FSDPModule)`` (torchtitan
+turns gradient division off on such modules, Lightning's ``no_backward_sync``
+looks for them), and a shardwise module must be found by those checks. Every
+method torch's class has is defined here, so none of FSDP2's internals is
+ever reached: a method of a torch release newer than this file raises,
+naming itself (``_refuse_the_rest``). Each method only records a setting
 on the module's ``ModuleState``, its ``ParamGroup`` or the root's context;
 the hooks (module.py) and the reduction (param_group.py) read it. Settings
 that cannot apply on a backend say so naming it, and change nothing.
@@ -14,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from . import collectives
 from .context import FSDPContext, Phase
@@ -21,7 +29,7 @@ from .module import ModuleState
 from .param_group import ParamGroup
 
 
-class UnshardHandle:
+class UnshardHandle(_TorchUnshardHandle):
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes it.
 
     It waits for the gather its ``unshard`` issued, and only that one: once a
@@ -41,10 +49,14 @@ class UnshardHandle:
             group.wait_unsharded()
 
 
-class FSDPModule:
+class FSDPModule(_TorchFSDPModule):
     """Mixed into a module's class by ``fully_shard``; torch's FSDPModule methods."""
 
     _shardwise_state: ModuleState
+    _shardwise_orig_cls: type  # the class fully_shard mixed this into (api.py sets it)
+    # torch's __new__ looks the original class up at this index of the MRO:
+    # [FSDP<Name>, shardwise's FSDPModule, torch's FSDPModule, <Name>, ...].
+    _orig_cls_mro_index = 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Constructing the ``FSDP<Name>`` class directly builds a plain ``<Name>``.
@@ -55,8 +67,8 @@ class FSDPModule:
         original class. Without arguments (copy, pickle) the class is kept.
         """
         if not args and not kwargs:
-            return super().__new__(cls)
-        orig = cls.__mro__[2]  # FSDP<Name>, FSDPModule, <Name>
+            return object.__new__(cls)
+        orig = cls._shardwise_orig_cls
         obj = orig.__new__(orig, *args, **kwargs)
         obj.__init__(*args, **kwargs)
         return obj
@@ -86,10 +98,10 @@ class FSDPModule:
     def reshard(self) -> None:
         self._shardwise_state.reshard_now()
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[_TorchFSDPModule]) -> None:
         self._shardwise_state.fwd_targets = [_state_of(m, "forward prefetch") for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[_TorchFSDPModule]) -> None:
         self._shardwise_state.bwd_targets = [_state_of(m, "backward prefetch") for m in modules]
 
     def _sharded_states(self, recurse: bool) -> list[ModuleState]:
@@ -318,6 +330,29 @@ class FSDPModule:
             self.reset_iter_state()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``.to()``, ``.cuda()``, ``to_empty()``: on the sharded parameters, as in
+        FSDP2 (a module kept gathered is resharded first); the next gather
+        notices the replaced shards and re-packs them (flat_shard.py)."""
+        self._shardwise_state.reshard_now()
+        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2's private switch for issuing pre-forward gathers with ``async_op``.
+        shardwise's gathers are always issued asynchronously (on the process
+        group's stream, waited for by the module that needs them), so this only
+        checks its input."""
+        _bool("_set_unshard_async_op", async_op)
+
+    def _get_fsdp_state(self) -> Any:
+        raise RuntimeError(
+            f"{type(self).__name__} is sharded by shardwise, not by torch's FSDP2: torch's "
+            "FSDP2 internals (_get_fsdp_state) do not apply to it. Code that reached them "
+            "called a torch FSDP2 function on a shardwise module: call "
+            "shardwise.patch_fsdp2() before importing that code, or call shardwise's "
+            "function of the same name"
+        )
+
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (FSDP2's name).
 
@@ -329,6 +364,28 @@ class FSDPModule:
         ctx = self._shardwise_state.context
         if ctx is not None:
             ctx.reset()
+
+
+def _refuse_the_rest() -> None:
+    """Give every method of torch's ``FSDPModule`` that this class lacks (one a
+    newer torch added) a body that raises, so that FSDP2's own, which would
+    read FSDP2's state, never runs on a shardwise module."""
+    ours = set(vars(FSDPModule))
+    for name, value in vars(_TorchFSDPModule).items():
+        if name in ours or not callable(value) or name.startswith("__"):
+            continue
+
+        def refuse(self: Any, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+            raise NotImplementedError(
+                f"FSDPModule.{_name} (torch's FSDP2) is not supported by shardwise yet; "
+                "see the README's table of FSDP2 names"
+            )
+
+        refuse.__name__ = name
+        setattr(FSDPModule, name, refuse)
+
+
+_refuse_the_rest()
 
 
 def _state_of(m: Any, what: str) -> ModuleState:

@@ -77,6 +77,11 @@ class ModuleState:
         # The root context's settings made before it exists (set_is_last_backward
         # before the first forward, as FSDP2 allows): applied when it is made.
         self.context_settings: dict[str, Any] = {}
+        # The root's submodules that hold its parameters, while they are sharded
+        # between forwards: hooks that gather them for a call on its own
+        # (``_arm_parts``), and the part being called.
+        self._part_hooks: list[Any] = []
+        self._part: nn.Module | None = None
 
     def __repr__(self) -> str:
         return f"ModuleState({self.label!r}, phase={self.phase.name})"
@@ -185,6 +190,7 @@ class ModuleState:
                 self._gather([])
         else:
             if self is ctx.root:
+                self._disarm_parts()
                 ctx.begin_forward()  # recovers from a forward that raised, first
                 if ctx.check:
                     from .check import check_forward_entry
@@ -196,7 +202,12 @@ class ModuleState:
             targets = self.fwd_targets if self.fwd_targets is not None else needs
             self._set_phase(Phase.FORWARD)
             self._gather(targets if targets is not None else self.fwd_default)
-            if len(self.modules) > 1:
+            if len(self.modules) > 1 and ctx.in_forward:
+                # Inside the root's forward the others run next, in this gather.
+                # Called on its own (a chunked loss calls the head of a
+                # [norm, head] group after the root's forward, one backward
+                # per chunk), a member is a whole use of the group: its
+                # post-forward ends it, as no root post-forward will.
                 self._to_run = {id(m) for m in self.modules if m is not module}
         if self.group is not None and torch.is_grad_enabled():
             self.group.attach()
@@ -244,6 +255,7 @@ class ModuleState:
                 # No backward follows: nobody may stay gathered, root included.
                 ctx.reshard_all()
             ctx.end_forward()
+            self._arm_parts()
         elif self.reshard_after_forward and self.group is not None:
             self.group.reshard(keep=True)
         return output
@@ -322,6 +334,65 @@ class ModuleState:
         self.backward_done = True
         ctx.backwards_done += 1
         self._set_phase(Phase.IDLE)
+
+    # ---- the root's parts, called on their own ---------------------------------------------
+
+    def _arm_parts(self) -> None:
+        """After a root forward that left the root's own parameters sharded (no
+        backward follows, or ``reshard_after_forward=True``), the submodules
+        holding them gather them when called on their own until the next root
+        forward: ``model.lm_head(h)`` after a no-grad forward (hidden states
+        taken from an eval pass, then a head or a loss on them). FSDP2 keeps
+        the root gathered after such a forward instead, which holds its
+        parameters through an eval loop. No hooks while the root is gathered,
+        the usual training step: they cost nothing there."""
+        group = self.group
+        if group is None or self._part_hooks or group.state is GroupState.UNSHARDED:
+            return
+        own = {id(m) for m in self.modules}  # their own hooks gather already
+        parts = {id(m): m for sp in group.params for m, _ in sp.locations if id(m) not in own}
+        for m in parts.values():
+            self._part_hooks.append(m.register_forward_pre_hook(outside_compile(self._before_part)))
+            self._part_hooks.append(m.register_forward_hook(outside_compile(self._after_part)))
+
+    def _disarm_parts(self) -> None:
+        for handle in self._part_hooks:
+            handle.remove()
+        self._part_hooks = []
+        self._part = None
+
+    def _before_part(self, part: nn.Module, args: Any) -> None:
+        ctx = self.context
+        if ctx is None or self._part is not None or self.phase is not Phase.IDLE:
+            return  # inside a part already, or this module is in use
+        if ctx.in_forward or ctx.phase is Phase.BACKWARD or self.group is None:
+            return  # the root's own hooks gathered it
+        if self.group.state is GroupState.UNSHARDED:
+            return
+        self._part = part
+        if ctx.check:
+            ctx.log(f"{self.label}: gathered for its part {type(part).__name__}")
+        self._set_phase(Phase.FORWARD)
+        self._gather(ctx.forward_needs(self) or [])  # nothing to prefetch: counts a forward
+        if torch.is_grad_enabled():
+            self.group.attach()
+
+    def _after_part(self, part: nn.Module, args: Any, output: Any) -> None:
+        if self._part is not part or self.group is None:
+            return
+        self._part = None
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if tensors:
+            hook = functools.partial(self._pre_backward, self.group.attachment)
+            for t in tensors:
+                t.register_hook(hook)
+        self._set_phase(Phase.IDLE)
+        # As after the root's forward: kept for a backward that follows (the
+        # root's default), resharded when none does.
+        if not (tensors and torch.is_grad_enabled() and part.training) or (
+            self.reshard_after_forward
+        ):
+            self.group.reshard()
 
     # ---- context callbacks ---------------------------------------------------------------
 

@@ -97,3 +97,10 @@ class ShardedParam:
         # the unsharded forms are autograd outputs, not leaves.
         for module, name in self.locations:
             module._parameters[name] = t  # type: ignore[assignment]
+            if name in module._buffers:
+                # A parametrization registered and removed inside forward (PEFT's
+                # LoRA on fused MoE experts): torch puts back an original that is
+                # not an nn.Parameter -- our unsharded form -- as a buffer. The
+                # parameter is ours again; the stray buffer would shadow it in
+                # state_dict and make the next registration fail.
+                del module._buffers[name]
