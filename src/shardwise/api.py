@@ -14,12 +14,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from . import extensions
+from . import collectives, extensions
 from .fsdp_module import FSDPModule
 from .module import ModuleState, outside_compile
 from .offload import OffloadPolicy, check_offload_policy
@@ -49,16 +48,16 @@ _default_meshes: dict[tuple[str, int], DeviceMesh] = {}
 
 def default_mesh() -> DeviceMesh:
     """A 1-D mesh over the default process group on this machine's device type."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not collectives.initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed to be initialized: call "
             "torch.distributed.init_process_group() first (or launch with torchrun), "
             "or pass mesh=..."
         )
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    key = (device_type, dist.get_world_size())
+    key = (device_type, collectives.world_size())
     if key not in _default_meshes:
-        _default_meshes[key] = init_device_mesh(device_type, (key[1],))
+        _default_meshes[key] = collectives.device_mesh(device_type, (key[1],))
     return _default_meshes[key]
 
 
@@ -245,10 +244,10 @@ def _resolve_reshard(raf: bool | int | None, mesh: DeviceMesh) -> tuple[bool | N
     return True, raf
 
 
-_post_forward_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_post_forward_groups: dict[tuple[int, ...], Any] = {}
 
 
-def post_forward_group(mesh: DeviceMesh, n: int) -> dist.ProcessGroup:
+def post_forward_group(mesh: DeviceMesh, n: int) -> Any:
     """This rank's group of n consecutive ranks of its shard group, shared between modules.
 
     Only its members create it (``use_local_synchronization``): on a sliced
@@ -256,11 +255,11 @@ def post_forward_group(mesh: DeviceMesh, n: int) -> dist.ProcessGroup:
     slices' shard groups, so a world-wide creation of every group would not
     run in the same order everywhere.
     """
-    row = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))  # this shard group
+    row = collectives.group_ranks(mesh.get_group(mesh.ndim - 1))  # this shard group
     start = mesh.get_local_rank(mesh.ndim - 1) // n * n
     ranks = tuple(row[start : start + n])
     if ranks not in _post_forward_groups:
-        _post_forward_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        _post_forward_groups[ranks] = collectives.new_group(list(ranks))
     return _post_forward_groups[ranks]
 
 
@@ -438,13 +437,13 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 def hsdp_mesh(replicate: int, device_type: str | None = None) -> DeviceMesh:
     """A ``(replicate, shard)`` mesh over the world for HSDP: ``replicate`` copies of the shards."""
-    world = dist.get_world_size() if dist.is_initialized() else 0
+    world = collectives.world_size() if collectives.initialized() else 0
     if not isinstance(replicate, int) or replicate < 1 or world % replicate:
         raise ValueError(
             f"HSDP replicate degree {replicate!r} must be a positive divisor of the world size "
             f"({world}); e.g. 2 on 4 ranks shards each replica over 2 ranks"
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(
-        device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    return collectives.device_mesh(
+        device_type, (replicate, world // replicate), ("replicate", "shard")
     )

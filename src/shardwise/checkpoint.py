@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -55,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from . import collectives
 from .fsdp_module import FSDPModule
 
 __all__ = ["DamagedCheckpoint", "full_state_dict", "load", "load_full_state_dict", "save", "verify"]
@@ -67,15 +67,15 @@ _FORMAT = 1
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return collectives.initialized()
 
 
 def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+    return collectives.rank()
 
 
 def _world() -> int:
-    return dist.get_world_size() if _distributed() else 1
+    return collectives.world_size()
 
 
 @contextlib.contextmanager
@@ -102,9 +102,7 @@ def _on_rank0(what: str, fn: Callable[[], None]) -> None:
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error, message = e, f"{type(e).__name__}: {e}"
     if _world() > 1:
-        box = [message]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
+        message = collectives.broadcast_object(message)
     if error is not None:
         raise error
     if message is not None:
@@ -172,9 +170,7 @@ def _gather_rng_states() -> list[dict[str, Any]]:
     mine = _rng_state()
     if _world() == 1:
         return [mine]
-    out: list[Any] | None = [None] * _world() if _rank() == 0 else None
-    dist.gather_object(mine, out, dst=0)
-    return out or []
+    return collectives.gather_objects(mine)
 
 
 # ---- paths ------------------------------------------------------------------------------
@@ -516,13 +512,9 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     spec = {k: (_shape(v.shape), v.dtype) for k, v in state_dict.items()} if state_dict else None
     everyone = spec is not None
     if _world() > 1:
-        flags: list[Any] = [None] * _world()
-        dist.all_gather_object(flags, everyone)
-        everyone = all(flags)
+        everyone = all(collectives.all_gather_objects(everyone))
         if not everyone:  # rank 0 says what it will send
-            box = [spec]
-            dist.broadcast_object_list(box, src=0)
-            spec = box[0]
+            spec = collectives.broadcast_object(spec)
     if spec is None:
         raise ValueError("load_full_state_dict: rank 0 passed no state dict (None or empty)")
     _check_full(spec, targets)
@@ -538,7 +530,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         else:
             full = torch.empty(spec[key][0], dtype=spec[key][1], device=device)
         if not everyone:
-            dist.broadcast(full, src=0)  # one tensor at a time bounds the memory
+            collectives.broadcast(full, key)  # one tensor at a time bounds the memory
         if isinstance(target, DTensor):
             mesh, placements = target.device_mesh, target.placements
             # Cut our rows locally, and copy them: the cut is a view that would

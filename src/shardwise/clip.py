@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from . import collectives
 from .optimizer_in_backward import MARK
 
 
@@ -59,7 +59,7 @@ def clip_grad_norm_(
             "clipping could see them all; remove() the handle to clip, or do not clip"
         )
     grads = [p.grad for p in params if p.grad is not None]
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = collectives.world_size()
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = locals_[0].device if locals_ else torch.device("cpu")
     norm_type = float(norm_type)
@@ -69,7 +69,7 @@ def clip_grad_norm_(
             if t.numel():
                 total = torch.maximum(total, t.abs().max().float())
         if world > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            collectives.all_reduce(total, None, "clip_grad_norm_", op="max").wait()
     else:
         # Group by copy count so each group is one fused foreach norm.
         by_copies: dict[int, list[torch.Tensor]] = {}
@@ -81,7 +81,7 @@ def clip_grad_norm_(
             norms = torch._foreach_norm(ts, norm_type)
             total += torch.stack([n.float() for n in norms]).pow(norm_type).sum() / copies
         if world > 1:
-            dist.all_reduce(total)
+            collectives.all_reduce(total, None, "clip_grad_norm_").wait()
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 from .trace import active as active_trace
@@ -217,15 +218,94 @@ def _averages(group: dist.ProcessGroup, t: torch.Tensor) -> bool:
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, label: str = "", divide_by: float | None = None
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    label: str = "",
+    divide_by: float | None = None,
+    op: str = "sum",
 ) -> Pending:
-    """Sum ``tensor`` in place over the group (HSDP's replicate dimension), then divide."""
+    """Sum (or ``op="max"``) ``tensor`` in place over the group (HSDP's replicate
+    dimension; ``None``: the world, as gradient clipping's norm), then divide."""
     n = dist.get_world_size(group)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
     then = None if divide_by is None else (lambda: tensor.div_(divide_by))
     p = Pending(work, then=then, label=label, kind="all_reduce")
-    _notify("all_reduce", tensor, n, label, p, "sum")
+    _notify("all_reduce", tensor, n, label, p, op)
     return p
+
+
+# ---- the world, process groups, and Python objects ----------------------------------------
+# The rest of the library asks these instead of torch.distributed, so that no
+# call to it is made anywhere else (tests/test_layers.py checks).
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the world (0 without a process group)."""
+    return dist.get_rank() if initialized() else 0
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (the world by default; 1 without a process group)."""
+    return dist.get_world_size(group) if initialized() else 1
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The world ranks of ``group``, in its order."""
+    return dist.get_process_group_ranks(group)
+
+
+def backend(group: dist.ProcessGroup | None) -> str:
+    return str(dist.get_backend(group))
+
+
+def device_mesh(
+    device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None
+) -> DeviceMesh:
+    """A mesh over the world (its process groups are made here, collectively)."""
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group over ``ranks``, made by its members only (a rank of a
+    sliced mesh cannot see the other slices' groups, so a world-wide creation
+    of every group would not run in the same order everywhere)."""
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    assert group is not None
+    return group
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (the world; pickled, for small things)."""
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on rank 0, in rank order; an empty list elsewhere."""
+    out: list[Any] | None = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def broadcast(tensor: torch.Tensor, label: str = "") -> None:
+    """Rank 0's ``tensor`` into every rank's, in place, waited for."""
+    work = dist.broadcast(tensor, src=0, async_op=True)
+    p = Pending(work, label=label, kind="broadcast")
+    _notify("broadcast", tensor, world_size(), label, p)
+    p.wait()
 
 
 # ---- where communication buffers come from ----------------------------------------------

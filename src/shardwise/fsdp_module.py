@@ -18,7 +18,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
@@ -419,19 +418,17 @@ def _no_comm_alloc(groups: list[ParamGroup], what: str) -> None:
 
 def _backend(state: ModuleState) -> str:
     group = state.group.shard_group if state.group is not None else None
-    return str(dist.get_backend(group))
+    return collectives.backend(group)
 
 
-_separate: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_separate: dict[tuple[int, ...], Any] = {}
 
 
-def _separate_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+def _separate_group(group: Any) -> Any:
     """One extra process group per set of ranks (created collectively, once)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
+    ranks = tuple(collectives.group_ranks(group))
     if ranks not in _separate:
-        made = dist.new_group(list(ranks), use_local_synchronization=True)
-        assert made is not None
-        _separate[ranks] = made
+        _separate[ranks] = collectives.new_group(list(ranks))
     return _separate[ranks]
 
 

@@ -57,21 +57,32 @@ class GroupState(Enum):
     UNSHARDED = auto()
 
 
-STEPS = "_shardwise_steps"  # on a parameter: how many optimizer steps updated it
+class _OptimizerSteps:
+    """How many optimizer steps ran since shardwise first sharded a module.
 
+    Why: a group kept gathered across a step (``set_reshard_after_backward(False)``,
+    an explicit ``unshard()``) must gather again, and foreach and fused
+    optimizer kernels bump no version counter that would say so
+    (``ParamGroup.stale``). One counter for the process, registered when the
+    first group is built (not at import) and O(1) per step: it touches no
+    parameter. The price: a step of another optimizer, over other parameters,
+    also makes such a kept group gather again (correct, once more than needed).
+    optimizer_in_backward's own steps are not counted: they run mid-backward
+    and reshard what they step themselves.
+    """
 
-def _count_optimizer_step(optimizer: Any, *args: Any) -> None:
-    """Count the step on each of its parameters (``ParamGroup.stale``). Not
-    optimizer_in_backward's own steps: they run mid-backward and reshard what
-    they step themselves."""
-    if getattr(optimizer, "_shardwise_shadow", False):
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            setattr(p, STEPS, getattr(p, STEPS, 0) + 1)
+    count = 0
+    _handle: Any = None
 
+    @classmethod
+    def watch(cls) -> None:
+        if cls._handle is None:
+            cls._handle = register_optimizer_step_post_hook(cls._stepped)
 
-register_optimizer_step_post_hook(_count_optimizer_step)
+    @classmethod
+    def _stepped(cls, optimizer: Any, *args: Any) -> None:
+        if not getattr(optimizer, "_shardwise_shadow", False):
+            cls.count += 1
 
 
 @dataclass(frozen=True)
@@ -187,6 +198,8 @@ class ParamGroup(FlatShard):
         # The one input of that node (``_Unsharded``): it needs one that requires grad.
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._accum: list[torch.Tensor | None] | None = None
+        _OptimizerSteps.watch()
+        self._gathered_version = (-1, -1)  # what the last gather read (``stale``)
 
         layouts = list(tp) if tp is not None else [None] * len(named)
         self.has_tp = any(t is not None for t in layouts)
@@ -357,13 +370,12 @@ class ParamGroup(FlatShard):
             self.unsharded_flat.numel() * self.unsharded_flat.element_size()
         )
 
-    def _shards_version(self) -> int:
-        # In-place updates through DTensor (optimizers) bump the parameter's own
-        # version counter, not the local tensor's: dispatch runs below autograd.
-        # foreach and fused optimizer kernels bump neither, so each optimizer
-        # step over a parameter counts as a change too. Both only grow: one sum
-        # in one pass (this runs at every gather) changes when either does.
-        return sum(sp.sharded._version + getattr(sp.sharded, STEPS, 0) for sp in self.params)
+    def _shards_version(self) -> tuple[int, int]:
+        # In-place updates through DTensor bump the parameter's own version
+        # counter, not the local tensor's: dispatch runs below autograd. foreach
+        # and fused optimizer kernels bump neither, so an optimizer step counts
+        # as a change too (_OptimizerSteps). Both only grow.
+        return sum(sp.sharded._version for sp in self.params), _OptimizerSteps.count
 
     def stale(self) -> bool:
         """Gathered, but the shards changed since (an optimizer step while kept gathered)."""

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 _active: Tracer | None = None
 
@@ -76,7 +75,9 @@ class _Clock:
 
 class Tracer:
     def __init__(self) -> None:
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        from . import collectives  # (it imports this module: the timeline observes it)
+
+        self.rank = collectives.rank()
         self._clock = _Clock(torch.cuda.is_available() and torch.cuda.is_initialized())
         self._raw: list[tuple[str, str, Any, Any, str, int, dict[str, Any]]] = []
         self._open: dict[tuple[str, str], tuple[Any, int, dict[str, Any]]] = {}
@@ -143,9 +144,10 @@ class Tracer:
             key=lambda ev: ev.start,
         )
         self.events = list(self.local_events)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, self.local_events)
+        from . import collectives
+
+        if collectives.world_size() > 1:
+            everyone = collectives.all_gather_objects(self.local_events)
             self.events = [ev for evs in everyone for ev in evs]
 
     def summary(self) -> dict[str, Any]:
