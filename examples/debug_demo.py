@@ -49,7 +49,7 @@ def worker(rank: int, world: int, out: str) -> None:
         t.plot(os.path.join(out, "timeline.png"))
         print("summary:", {k: v for k, v in t.summary().items() if k != "wall_s"})
 
-    # The seed's failure, by hand: gather blocks.3 again once its backward is over.
+    # The recompute-prefetch failure, by hand: gather blocks.3 again once its backward is over.
     def regather(module, args):
         if model.fsdp_context.phase is Phase.BACKWARD:
             model.blocks[3].unshard()

@@ -1,4 +1,4 @@
-"""Core runtime: parity with a single process, the seed's regression, collective counts.
+"""Core runtime: parity with a single process, the recompute-prefetch regression, collective counts.
 
 Every multi-process test runs real gloo ranks through ``run_distributed``,
 which fails (never hangs) after a timeout.
@@ -164,7 +164,7 @@ def test_parity_with_single_process(case: str) -> None:
     run_distributed(parity_worker, world, cfg, timeout=200)
 
 
-# ---- the seed's regression -----------------------------------------------------------------
+# ---- the recompute-prefetch regression -----------------------------------------------------------------
 
 
 class TwoLinears(nn.Module):
@@ -183,7 +183,7 @@ class TwoLinears(nn.Module):
         return self.head(x)
 
 
-def seed_regression_worker(rank: int, world: int, reentrant: bool, device: str = "cpu") -> None:
+def recompute_prefetch_worker(rank: int, world: int, reentrant: bool, device: str = "cpu") -> None:
     torch.manual_seed(0)
     model = TwoLinears(reentrant).to(device)
     fully_shard(model.l1, prefetch=1)
@@ -203,7 +203,7 @@ def seed_regression_worker(rank: int, world: int, reentrant: bool, device: str =
         assert_between_steps(model)
         # forward: one gather each; backward: the recompute gathers l1 and l2
         # once more and keeps them for their backward. A forward-order prefetch
-        # from l1's recompute would gather l2 a third time (the seed's bug).
+        # from l1's recompute would gather l2 a third time (the recompute-prefetch bug).
         if counts:
             assert seen[("all_gather", "l1")] == 2, seen
             assert seen[("all_gather", "l2")] == 2, seen
@@ -215,8 +215,8 @@ def seed_regression_worker(rank: int, world: int, reentrant: bool, device: str =
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_seed_regression_recompute_never_leaves_modules_unsharded(reentrant: bool) -> None:
-    run_distributed(seed_regression_worker, 2, reentrant)
+def test_recompute_prefetch_regression_never_leaves_modules_unsharded(reentrant: bool) -> None:
+    run_distributed(recompute_prefetch_worker, 2, reentrant)
 
 
 # ---- phases, no_grad, accumulation across backward ---------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from test_core import PARITY, parity_worker, seed_regression_worker
+from test_core import PARITY, parity_worker, recompute_prefetch_worker
 
 pytestmark = [
     pytest.mark.cuda,
@@ -31,8 +31,8 @@ def test_cuda_parity(case: str) -> None:
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_cuda_seed_regression(reentrant: bool) -> None:
-    run_distributed(seed_regression_worker, world(), reentrant, "cuda", backend=NCCL)
+def test_cuda_recompute_prefetch_regression(reentrant: bool) -> None:
+    run_distributed(recompute_prefetch_worker, world(), reentrant, "cuda", backend=NCCL)
 
 
 def bf16_cuda_worker(rank: int, world: int, reduce_dtype: torch.dtype | None) -> None:
@@ -229,7 +229,7 @@ def float8_worker(rank: int, world: int) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from shardwise import MixedPrecisionPolicy, collectives, fully_shard
-    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise_app.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=256)

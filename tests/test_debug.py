@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def broken_lifecycle_worker(rank: int, world: int, check: bool) -> str:
-    """Reproduce the seed's failure sequence by hand and see who notices."""
+    """Reproduce the recompute-prefetch failure sequence by hand and see who notices."""
     os.environ["SHARDWISE_CHECK"] = "1" if check else "0"
     torch.manual_seed(0)
     model = TwoLinears(reentrant=True)

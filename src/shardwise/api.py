@@ -159,7 +159,7 @@ def fully_shard(
     label = type(modules[0]).__name__
     # Made before anything changes: new_group can fail (a timeout, a backend).
     smaller = post_forward_group(mesh, post_forward_size) if named and post_forward_size else None
-    state = ModuleState(modules, mesh, raf, policy, prefetch, label, bool(check))
+    state = ModuleState(modules, raf, policy, prefetch, label, bool(check))
     if named:
         state.group = ParamGroup(state, named, mesh, policy, label, tp, dims, offload)
         state.group.post_forward_group = smaller

@@ -2,7 +2,8 @@
 
 Turned on by ``fully_shard(..., check=True)`` or ``SHARDWISE_CHECK=1`` (read
 when ``fully_shard`` is called). Off, none of this runs: the hooks test one
-boolean. The seed's bug surfaced only as an optimizer error far downstream
+boolean. The recompute-prefetch bug (a recomputed forward that gathers a
+module whose backward is over) surfaced only as an optimizer error far downstream
 ("sharded gradients must be either all set or all None"); with checks on, the
 backward that leaves a module gathered raises ``LifecycleError`` naming it.
 
@@ -59,7 +60,7 @@ def check_backward_end(ctx: FSDPContext) -> LifecycleError | None:
                 ctx,
                 s,
                 "was gathered again after its post-backward (nothing would "
-                "reshard it: the seed's failure)",
+                "reshard it: a recomputed forward prefetched it after its backward?)",
             )
         if g.prefetched and ctx.bwd.order is not None:
             # (The first backward prefetches from the static order, a guess.)

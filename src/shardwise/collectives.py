@@ -140,7 +140,7 @@ def all_gather_each(
     (each output is one parameter, rank-major = param-major along dim 0), so
     no copy-out follows on the compute stream. NCCL runs the grouped
     gathers as one launch, as fast as one gather of them all end to end
-    (measured: docs/benchmarks.md, session 7). gloo is the other way round:
+    (measured: docs/benchmarks.md, 2026-12-01, e1fe501). gloo is the other way round:
     its grouped gathers flatten into temporary buffers and copy out, and its
     separate gathers, all in flight at once, run on its several threads and
     were twice as fast as one flat gather (measured there too), so on the CPU

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from .containers import map_tensors, tensors_in
 from .context import ALLOWED, FSDPContext, LifecycleError, Phase
@@ -41,20 +40,17 @@ class ModuleState:
     def __init__(
         self,
         modules: list[nn.Module],
-        mesh: DeviceMesh,
         reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy | None,
         prefetch: int,
         label: str,
         check: bool = False,
     ) -> None:
-        self.module = modules[0]
         # fully_shard([a, b]): one group for several modules, gathered when the
         # first of them runs and resharded after the last (``_to_run``).
         self.modules = modules
         self._to_run: set[int] = set()
         self.check = check
-        self.mesh = mesh
         self.label = label
         # None is FSDP2's default: True, except for the root (its backward comes
         # first). Resolved when the root is known (_lazy_init).
@@ -174,7 +170,7 @@ class ModuleState:
         elif ctx.phase is Phase.BACKWARD:
             # A recomputed forward (activation checkpointing) inside backward:
             # never prefetch in forward order -- that module's backward may be
-            # over already, and nothing would reshard it again (the seed bug).
+            # over already, and nothing would reshard it again.
             if ctx.check:
                 ctx.log(f"{self.label}: recompute forward")
             if tracer is not None:

@@ -6,7 +6,7 @@ alive at once (7B on one H200: 0.77x FSDP2's peak). With CPU offload a
 module steps on a worker thread as soon as its gradients are on the host,
 beside the GPU's backward. That does not make the step faster on the lent
 machines: the host AdamW and the PCIe copies share the host's memory
-bandwidth (docs/benchmarks.md, session 6).
+bandwidth (docs/benchmarks.md, 2026-11-30, 385dc01).
 
 Why opt-in: the step happens inside ``loss.backward()``, so nothing can read
 or change the gradients between backward and step. No clipping over all of

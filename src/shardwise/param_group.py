@@ -1,10 +1,11 @@
 """One module's parameters as the unit that is gathered and reduced: its lifecycle.
 
 Why an autograd Function: the unsharded parameters a forward uses are outputs
-of ``_Unsharded`` whose inputs are the sharded parameters. Autograd runs its
-backward exactly once per backward pass, after every used trainable
-parameter's gradient exists (unused ones arrive as None), whether or not the
-module's inputs required grad. That backward is the post-backward hook; it
+of ``_Unsharded``, whose one input is the group's anchor (an empty leaf that
+requires grad; the sharded parameters stay out of the graph, as under FSDP2).
+Autograd runs its backward exactly once per backward pass, after every used
+trainable parameter's gradient exists (unused ones arrive as None), whether
+or not the module's inputs required grad. That backward is the post-backward hook; it
 returns no gradients itself: reduced shards are put on ``.grad`` by us.
 Which parameters are trainable is read from the sharded parameters'
 ``requires_grad`` at every attachment, so freezing or unfreezing after

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -260,9 +260,6 @@ class Tracer:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
-
-    def to_json(self) -> list[dict[str, Any]]:
-        return [asdict(ev) for ev in self.events]
 
 
 @contextmanager
