@@ -161,7 +161,7 @@ def fully_shard(
     smaller = post_forward_group(mesh, post_forward_size) if named and post_forward_size else None
     state = ModuleState(modules, raf, policy, prefetch, label, bool(check))
     if named:
-        state.group = ParamGroup(state, named, mesh, policy, label, tp, dims, offload)
+        state.group = ParamGroup(named, mesh, policy, label, tp, dims, offload)
         state.group.post_forward_group = smaller
         _groups.add(state.group)
     for _, p, _ in named:

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from .containers import map_tensors, tensors_in
 from .context import ALLOWED, FSDPContext, LifecycleError, Phase
-from .param_group import Attachment, GroupState, ParamGroup
+from .param_group import Attachment, GroupState, ParamGroup, will_run
 from .precision import MixedPrecisionPolicy, cast_floats
 from .trace import active as active_trace
 
@@ -206,7 +206,7 @@ class ModuleState:
                 # post-forward ends it, as no root post-forward will.
                 self._to_run = {id(m) for m in self.modules if m is not module}
         if self.group is not None and torch.is_grad_enabled():
-            self.group.attach()
+            self._attach()
             if not self.group.attached and not later:
                 # (In a group, the first module's inputs get their gradients last.)
                 args, kwargs = _AfterInputGrads.wrap(self, args, kwargs)
@@ -324,7 +324,9 @@ class ModuleState:
             # One reduction in flight at a time (by default) bounds the gradient
             # memory held.
             ctx.finish_reduces(keep=self.max_reduces_in_flight - 1, overlap=True)
-            job = self.group.reduce_grads(grads or [None] * len(self.group.params))
+            job = self.group.reduce_grads(
+                grads or [None] * len(self.group.params), ctx.is_last_backward, ctx.downloads
+            )
             if job is not None:
                 ctx.pending_reduces.append(job)
         self.backward_done = True
@@ -371,7 +373,7 @@ class ModuleState:
         self._set_phase(Phase.FORWARD)
         self._gather(ctx.forward_needs(self) or [])  # nothing to prefetch: counts a forward
         if torch.is_grad_enabled():
-            self.group.attach()
+            self._attach()
 
     def _after_part(self, part: nn.Module, args: Any, output: Any) -> None:
         if self._part is not part or self.group is None:
@@ -389,6 +391,12 @@ class ModuleState:
             self.reshard_after_forward
         ):
             self.group.reshard()
+
+    def _attach(self) -> None:
+        """Hand out this forward's autograd-tracked parameters (``_Unsharded``)."""
+        assert self.group is not None
+        recompute = self.context is not None and self.context.phase is Phase.BACKWARD
+        self.group.attach(functools.partial(_Unsharded.apply, self), recompute)
 
     # ---- context callbacks ---------------------------------------------------------------
 
@@ -412,6 +420,42 @@ class ModuleState:
         """Free what is gathered; ``keep``: after forward, what backward gathers from."""
         if self.group is not None:
             self.group.reshard(keep)
+
+
+class _Unsharded(torch.autograd.Function):
+    """Hands out a group's unsharded parameters; its backward is the post-backward.
+
+    Its one tensor input is the group's anchor, an empty leaf that requires
+    grad, not the sharded parameters: those stay out of the autograd graph,
+    as under FSDP2, so autograd never runs their AccumulateGrad (which would
+    call the user's tensor hooks with ``None`` and post-accumulate-grad hooks
+    before any gradient exists); ``assign_grads`` runs the latter once the
+    reduced gradient is on ``.grad``. It lives with the hooks: its backward
+    is one, and calls down into the module's state like the others.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, state: ModuleState, trainable: list[Any], anchor: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.state, ctx.trainable = state, trainable
+        ctx.set_materialize_grads(False)
+        return tuple(p.unsharded.detach() for p in trainable)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
+        state: ModuleState = ctx.state
+        assert state.group is not None
+        full: list[torch.Tensor | None] = [None] * len(state.group.params)
+        # Only a pass that accumulates into leaves reaches the anchor's
+        # AccumulateGrad: not torch.autograd.grad (gradient-norm logging, or
+        # FGM on an activation), which leaves .grad as it was; so do we.
+        (anchor_edge,) = ctx.next_functions
+        if will_run(anchor_edge[0]):
+            for sp, g in zip(ctx.trainable, grads):
+                full[sp.index] = g
+        state.post_backward(full)
+        return (None, None, None)
 
 
 class _AfterInputGrads(torch.autograd.Function):

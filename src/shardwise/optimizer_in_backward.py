@@ -55,9 +55,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .context import Phase
+from .context import FSDPContext, Phase
 
 if TYPE_CHECKING:
+    from .module import ModuleState
     from .param_group import ParamGroup
 
 MARK = "_shardwise_steps_in_backward"  # on parameters stepped inside backward (clip.py reads it)
@@ -81,6 +82,7 @@ class OptimizerInBackward:
     ) -> None:
         self.optimizer = optimizer
         self.groups = groups
+        self._state: ModuleState = model._shardwise_state  # type: ignore[assignment]
         # Only steps that issue no collective may leave the autograd thread: a
         # DTensor step (a norm, a redistribute) would interleave its collectives
         # with the backward's, in a different order on each rank.
@@ -117,14 +119,18 @@ class OptimizerInBackward:
         raised: clean it up now (it waits for the worker) rather than at the next forward."""
         if threading.current_thread() is not threading.main_thread():
             return  # another thread (a logger) while a backward may run
-        for ctx in {id(c): c for g in self.groups if (c := g.owner.context)}.values():
-            if ctx.abandoned():
-                ctx.abandon_backward()
+        ctx = self._context()
+        if ctx is not None and ctx.abandoned():
+            ctx.abandon_backward()
+
+    def _context(self) -> FSDPContext | None:
+        """The root context every stepped group belongs to (None before the first forward)."""
+        return self._state.context  # every group's: they are under one root
 
     def grads_ready(self, group: ParamGroup, download: Any) -> None:
         """``group``'s gradients are assigned (``download``: the event of their copy to
         the host, or None): step it now, or on the worker thread."""
-        ctx = group.owner.context
+        ctx = self._context()
         assert ctx is not None
         if ctx.forwards > 1:
             # Several forwards before this backward: a module may be reduced once
@@ -135,7 +141,7 @@ class OptimizerInBackward:
         self.start(group, download)
 
     def start(self, group: ParamGroup, download: Any) -> None:
-        ctx = group.owner.context
+        ctx = self._context()
         assert ctx is not None
         # The gradients as they are now: a caller's zero_grad after a failed
         # backward must not change what a queued step applies.
@@ -150,7 +156,7 @@ class OptimizerInBackward:
 
     def check_not_stepped(self, group: ParamGroup) -> None:
         """Refuse to gather a module again in the backward that stepped it."""
-        ctx = group.owner.context
+        ctx = self._context()
         if ctx is not None and ctx.phase is Phase.BACKWARD and group in ctx.stepped:
             raise RuntimeError(
                 f"module {group.label!r} is needed again in the backward that already "

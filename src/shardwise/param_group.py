@@ -1,12 +1,10 @@
 """One module's parameters as the unit that is gathered and reduced: its lifecycle.
 
-Why an autograd Function: the unsharded parameters a forward uses are outputs
-of ``_Unsharded``, whose one input is the group's anchor (an empty leaf that
-requires grad; the sharded parameters stay out of the graph, as under FSDP2).
-Autograd runs its backward exactly once per backward pass, after every used
-trainable parameter's gradient exists (unused ones arrive as None), whether
-or not the module's inputs required grad. That backward is the post-backward hook; it
-returns no gradients itself: reduced shards are put on ``.grad`` by us.
+What a forward computes with, under grad, is an *attachment*: the outputs of
+the hooks' autograd function (``_Unsharded`` in module.py, whose one input is
+this group's anchor, an empty leaf that requires grad; the sharded
+parameters stay out of the graph, as under FSDP2). Its backward is the
+post-backward hook; reduced shards are put on ``.grad`` by ``assign_grads``.
 Which parameters are trainable is read from the sharded parameters'
 ``requires_grad`` at every attachment, so freezing or unfreezing after
 ``fully_shard`` takes effect at the next forward.
@@ -15,10 +13,10 @@ Why the attachment outlives the forward: activation checkpointing *inside* a
 sharded module (transformers' layers, ``checkpoint_wrapper``) recomputes the
 module's body in backward without running its hooks, reading whatever tensors
 are installed in the module then. The pre-backward re-installs the forward's
-``_Unsharded`` outputs (their storage refilled by its gather), so the
+attachment (its storage refilled by its gather), so the
 recomputation computes with the same autograd-tracked tensors as the forward:
 a non-reentrant checkpoint finds the same saved tensors, and a reentrant one's
-inner backward reaches ``_Unsharded.backward``, the post-backward.
+inner backward reaches the post-backward.
 
 The layout itself (the flat shard, the unsharded storage, the views between
 them) is ``FlatShard``, in flat_shard.py.
@@ -29,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -38,7 +36,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import collectives
-from .context import Phase
 from .extensions import Extension, PackedGather, has_hooks
 from .flat_shard import FlatShard, local_of
 from .offload import CPUOffloadPolicy
@@ -47,9 +44,6 @@ from .reduce import ReduceJob
 from .sharded_param import ShardedParam
 from .tensor_parallel import TPLayout
 from .trace import active as active_trace
-
-if TYPE_CHECKING:
-    from .module import ModuleState
 
 
 class GroupState(Enum):
@@ -94,40 +88,6 @@ class Attachment:
     tensors: tuple[torch.Tensor, ...]
 
 
-class _Unsharded(torch.autograd.Function):
-    """Hands out the unsharded parameters; its backward is the post-backward.
-
-    Its one tensor input is the group's anchor, an empty leaf that requires
-    grad, not the sharded parameters: those stay out of the autograd graph,
-    as under FSDP2, so autograd never runs their AccumulateGrad (which would
-    call the user's tensor hooks with ``None`` and post-accumulate-grad hooks
-    before any gradient exists); ``assign_grads`` runs the latter once the
-    reduced gradient is on ``.grad``.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, group: ParamGroup, trainable: list[ShardedParam], anchor: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.trainable = group, trainable
-        ctx.set_materialize_grads(False)
-        return tuple(p.unsharded.detach() for p in trainable)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
-        group: ParamGroup = ctx.group
-        full: list[torch.Tensor | None] = [None] * len(group.params)
-        # Only a pass that accumulates into leaves reaches the anchor's
-        # AccumulateGrad: not torch.autograd.grad (gradient-norm logging, or
-        # FGM on an activation), which leaves .grad as it was; so do we.
-        (anchor_edge,) = ctx.next_functions
-        if will_run(anchor_edge[0]):
-            for sp, g in zip(ctx.trainable, grads):
-                full[sp.index] = g
-        group.owner.post_backward(full)
-        return (None, None, None)
-
-
 def will_run(node: Any) -> bool:
     """Whether the backward pass running now executes autograd node ``node``: an
     ``_Unsharded`` node, or the anchor's AccumulateGrad (which no ``autograd.grad``
@@ -140,7 +100,6 @@ class ParamGroup(FlatShard):
 
     def __init__(
         self,
-        owner: ModuleState,
         named: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
         mesh: DeviceMesh,
         mp_policy: MixedPrecisionPolicy | None,
@@ -151,7 +110,6 @@ class ParamGroup(FlatShard):
     ) -> None:
         """``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter);
         ``dims[i]``: the dimension it is split along (default 0)."""
-        self.owner = owner
         self.label = label
         self.mesh = mesh
         self.shard_group = mesh.get_group(mesh.ndim - 1)
@@ -192,12 +150,12 @@ class ParamGroup(FlatShard):
         self._pending: collectives.Pending | None = None
         self._gather_out: torch.Tensor | None = None
         self._gather_in: torch.Tensor | None = None
-        # The current forward's _Unsharded outputs and the parameters they stand for.
+        # The current forward's tracked parameters and the parameters they stand for.
         self.attachment: Attachment | None = None
         # Their autograd node, kept for backward (``reached_in_backward``).
         self._forward_node: Any = None
-        # The one input of that node (``_Unsharded``): it needs one that requires grad.
-        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
+        # The one input of that node: it needs one that requires grad.
+        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._accum: list[torch.Tensor | None] | None = None
         _OptimizerSteps.watch()
         self._gathered_version = (-1, -1)  # what the last gather read (``stale``)
@@ -394,20 +352,21 @@ class ParamGroup(FlatShard):
         """The parameters that require grad now (users may freeze after fully_shard)."""
         return [sp for sp in self.params if sp.sharded.requires_grad]
 
-    def attach(self) -> None:
-        """Install unsharded parameters that autograd tracks back to this group.
+    def attach(self, track: Any, recompute: bool) -> None:
+        """Install unsharded parameters that autograd tracks back to this group:
+        ``track(trainable, anchor)``, the hooks' autograd function, makes them.
 
         Done at most once per forward pass (a module called twice reuses it),
-        so one backward runs one post-backward for the group.
+        so one backward runs one post-backward for the group. A recomputed
+        forward's node is not the one backward asks about (``reached_in_backward``).
         """
         if self.attachment is None:
             trainable = self.trainable
             if not trainable:
                 return
-            out = _Unsharded.apply(self, trainable, self._anchor)
+            out = track(trainable, self.anchor)
             out = out if isinstance(out, tuple) else (out,)
-            ctx = self.owner.context
-            if ctx is None or ctx.phase is not Phase.BACKWARD:  # not a recomputation
+            if not recompute:
                 self._forward_node = out[0].grad_fn
             if self.has_tp:
                 out = tuple(t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(trainable, out))
@@ -494,7 +453,9 @@ class ParamGroup(FlatShard):
 
     # ---- gradients ----------------------------------------------------------------------
 
-    def reduce_grads(self, grads: list[torch.Tensor | None]) -> ReduceJob | None:
+    def reduce_grads(
+        self, grads: list[torch.Tensor | None], last_backward: bool = True, downloads: Any = None
+    ) -> ReduceJob | None:
         """Start averaging the unsharded gradients; returns the job to finish later.
 
         ``grads`` has one entry per parameter of the group, ``None`` for those
@@ -520,7 +481,7 @@ class ParamGroup(FlatShard):
         self.last_used = used
         if not any(used):
             return None
-        return ReduceJob(self, grads, used)
+        return ReduceJob(self, grads, used, last_backward, downloads)
 
     def accumulate(self, grads: list[torch.Tensor | None]) -> None:
         """Add ``grads`` to the local sum that the next reduction includes."""
@@ -551,6 +512,15 @@ class ParamGroup(FlatShard):
         if not self.requires_gradient_sync:
             return False
         return self._accum is not None or (self._partial is not None and self.requires_all_reduce)
+
+    def take_held_back(self) -> tuple[list[int], torch.Tensor] | None:
+        """HSDP sums held back by ``set_requires_all_reduce(False)`` (the members'
+        indices and the summed shard), handed to the next all-reduce; None if none."""
+        held, self._partial = self._partial, None
+        return held
+
+    def hold_back(self, members: list[int], summed: torch.Tensor) -> None:
+        self._partial = (members, summed)
 
     def clear_accumulated(self) -> None:
         """Drop local sums and held-back reductions (``reset_iter_state``)."""

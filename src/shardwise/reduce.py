@@ -31,8 +31,21 @@ class ReduceJob:
     FSDP2 does with ``PREMUL_SUM``, which gloo lacks).
     """
 
-    def __init__(self, group: ParamGroup, grads: list[torch.Tensor | None], used: list[bool]):
+    def __init__(
+        self,
+        group: ParamGroup,
+        grads: list[torch.Tensor | None],
+        used: list[bool],
+        last_backward: bool = True,
+        downloads: list[Any] | None = None,
+    ):
+        """``last_backward``: this backward ends the microbatches (only then does
+        optimizer_in_backward step; decided now, since an earlier microbatch's job
+        may finish in the next one). ``downloads``: where an offloaded copy to the
+        host that nothing waits for yet is listed (the context waits at the end
+        of backward)."""
         g = self.group = group
+        self._downloads = downloads
         self._pending: collectives.Pending | None = None
         # HSDP: the all-reduce over the replicas, issued once the reduce-scatter
         # is done (``scattered``); None while not issued, or when held back.
@@ -52,10 +65,7 @@ class ReduceJob:
             member = {sp.index for sp in self.members}
             used = [u or sp.index in member for sp, u in zip(g.params, used)]
         self.used = used
-        # Only a backward that ends the microbatches steps (optimizer_in_backward):
-        # decided now, since an earlier microbatch's job may finish in the next one.
-        ctx = g.owner.context
-        self.steps = g.step_in_backward is not None and ctx is not None and ctx.is_last_backward
+        self.steps = g.step_in_backward is not None and last_backward
         self._downloaded: Any = None  # offload: the event of the copy to the host
         hsdp = g.replicate_group is not None
         plain = g.divide_factor is None and g.all_reduce_hook is None
@@ -163,13 +173,13 @@ class ReduceJob:
     def _download(self, out: torch.Tensor) -> torch.Tensor:
         """The reduced shards, copied to host memory (offload): the CPU gradients."""
         g = self.group
-        assert g.offload_policy is not None and g.owner.context is not None
+        assert g.offload_policy is not None and self._downloads is not None
         host, done = offload.download(out, g.orig_dtype, g.offload_policy.pin_memory)
         if done is not None:
             if any(sp.sharded.grad is not None for sp in self.members):
                 done.synchronize()  # added to CPU gradients now: they must have arrived
             else:
-                g.owner.context.downloads.append(done)  # waited for at the end of backward
+                self._downloads.append(done)  # waited for at the end of backward
                 self._downloaded = done
         return host
 
@@ -179,8 +189,9 @@ class ReduceJob:
         g = self.group
         assert g.replicate_group is not None
         members = [sp.index for sp in self.members]
-        if g._partial is not None:
-            held, partial = g._partial
+        taken = g.take_held_back()
+        if taken is not None:
+            held, partial = taken
             if held != members:
                 raise RuntimeError(
                     f"module {g.label!r}: the trainable parameters changed while reductions "
@@ -188,9 +199,8 @@ class ReduceJob:
                     "only after a backward that all-reduces"
                 )
             out.add_(partial)
-            g._partial = None
         if not g.requires_all_reduce:
-            g._partial = (members, out)
+            g.hold_back(members, out)
             return None
         replicas = g.replicate_group.size()
         divide = None if g.divide_factor is not None else replicas
