@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import collectives
+from .flat_shard import local_of
 from .fsdp_module import FSDPModule
 
 __all__ = ["DamagedCheckpoint", "full_state_dict", "load", "load_full_state_dict", "save", "verify"]
@@ -137,10 +138,6 @@ def _model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, An
     sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in sd.items() if k in trainable}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 # ---- random number generators -----------------------------------------------------------
@@ -494,7 +491,7 @@ def full_state_dict(
         if not keep:
             continue
         moved = full.cpu() if cpu_offload else full
-        if moved.untyped_storage().data_ptr() == _local(value).untyped_storage().data_ptr():
+        if moved.untyped_storage().data_ptr() == local_of(value).untyped_storage().data_ptr():
             moved = moved.clone()  # one rank, or replicated: it is the model's own memory
         out[key] = moved
     return out
@@ -523,7 +520,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     for key, target in targets.items():
         if not isinstance(target, torch.Tensor):
             continue
-        device = _local(target).device
+        device = local_of(target).device
         if everyone or _rank() == 0:
             assert state_dict is not None
             full = state_dict[key].detach().to(device).contiguous()

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import collectives
+from .flat_shard import local_of
 from .optimizer_in_backward import MARK
 
 
@@ -60,7 +61,7 @@ def clip_grad_norm_(
         )
     grads = [p.grad for p in params if p.grad is not None]
     world = collectives.world_size()
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    locals_ = [local_of(g) for g in grads]
     device = locals_[0].device if locals_ else torch.device("cpu")
     norm_type = float(norm_type)
     if norm_type == float("inf"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,16 @@ ALLOWED = frozenset(
         (Phase.IDLE, Phase.IDLE),
     }
 )
+
+
+@dataclass
+class RootSettings:
+    """Settings of a whole root, the one place they live. FSDP2 takes them on
+    any of its modules, also before the first forward (then a module keeps
+    them until its root's context is made: ``ModuleState.set_for_root``)."""
+
+    is_last_backward: bool = True  # False: this backward's reductions may stay in flight
+    post_optim_event: Any = None  # waited on once, before the next forward's gathers
 
 
 class LifecycleError(RuntimeError):
@@ -161,13 +172,12 @@ class FSDPContext:
         self.fwd = Recording()
         self.bwd = Recording()
         self._in_forward = False
-        self.is_last_backward = True
+        self.settings = RootSettings()  # set_is_last_backward, set_post_optim_event
         # The module whose reduction waits for the rest of a backward (a reentrant
         # checkpoint's inner pass reached it: module.py's post_backward).
         self.held: ModuleState | None = None
         self._outer_task = -1  # the autograd graph task of the current backward
         self._end: weakref.ref[_EndOfBackward] | None = None  # its queued final callback
-        self.post_optim_event: Any = None  # waited on before the next forward's gathers
         # Modules whose backward finished in this backward: one rank's casts
         # prefetch in backward once one has (param_group.py's ``prefetches``).
         self.backwards_done = 0
@@ -191,9 +201,9 @@ class FSDPContext:
                 s.group.drop_kept()
             if s.group is not None:
                 s.group.detach_autograd()  # a new forward pass: one attachment per module
-        if self.post_optim_event is not None:
-            self.post_optim_event.wait()  # one event per step: FSDP2 discards it too
-            self.post_optim_event = None
+        if self.settings.post_optim_event is not None:
+            self.settings.post_optim_event.wait()  # one event per step: FSDP2 discards it too
+            self.settings.post_optim_event = None
         self.fwd.start()
         self._in_forward = True
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
@@ -376,7 +386,7 @@ class FSDPContext:
             # order on every rank.
             if s.group is not None and s.group.owes_reduction:
                 s.finish_backward(None)
-        if self.is_last_backward:
+        if self.settings.is_last_backward:
             self.finish_reduces()
         self.wait_downloads()
         error: BaseException | None = None

@@ -40,6 +40,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import collectives
+from .sharded_param import rows_per_rank
 from .tensor_parallel import contiguous_stride
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def check(
             hooked.append((fqn, p))
     for fqn, p in hooked:
         rows = p.shape[0]
-        chunk = -(-rows // world)
+        chunk = rows_per_rank(rows, world)
         split = next((d for d in dims if d != 0), 0)  # any parameter of the group
         why = (
             "tensor parallelism"

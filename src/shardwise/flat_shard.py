@@ -53,9 +53,10 @@ from .sharded_param import ShardedParam
 from .tensor_parallel import contiguous_stride
 
 
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor without going through autograd (hot path)."""
-    return t._local_tensor  # type: ignore[attr-defined]
+def local_of(t: Any) -> Any:
+    """The local tensor of a DTensor (a plain tensor: itself), without going
+    through autograd (``to_local`` would: this runs on the hot path)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class FlatShard:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from . import collectives
-from .context import FSDPContext, Phase
+from .context import FSDPContext, Phase, RootSettings
 from .module import ModuleState
 from .param_group import ParamGroup
 
@@ -179,7 +179,12 @@ class FSDPModule(_TorchFSDPModule):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves its reductions in flight (more microbatches
         follow before the optimizer); the backward after finishes them."""
-        self._set_in_context("is_last_backward", _bool("set_is_last_backward", is_last_backward))
+        flag = _bool("set_is_last_backward", is_last_backward)
+
+        def apply(root: RootSettings) -> None:
+            root.is_last_backward = flag
+
+        self._shardwise_state.set_for_root(apply)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but holds the sums back from the replicate
@@ -212,7 +217,11 @@ class FSDPModule(_TorchFSDPModule):
         on it (once; set a new one each step)."""
         if not hasattr(event, "wait"):
             raise TypeError(f"set_post_optim_event expects a torch.Event, got {event!r}")
-        self._set_in_context("post_optim_event", event)
+
+        def apply(root: RootSettings) -> None:
+            root.post_optim_event = event
+
+        self._shardwise_state.set_for_root(apply)
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """``comm(output_tensor=, input_tensor=, group=, async_op=)`` gathers this
@@ -297,15 +306,6 @@ class FSDPModule(_TorchFSDPModule):
         _no_custom_comm(groups, "set_symm_mem_for_comm")
         for g in groups:
             g.comm_alloc = collectives.symmetric_allocator(g.shard_group, g.device)
-
-    def _set_in_context(self, name: str, value: Any) -> None:
-        """Set the root context's ``name``; before the first forward made it, kept
-        and applied then (FSDP2 takes these before the first forward too)."""
-        state = self._shardwise_state
-        if state.context is None:
-            state.context_settings[name] = value
-        else:
-            setattr(state.context, name, value)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise RuntimeError(

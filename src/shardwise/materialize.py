@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .param_group import local_of
+from .flat_shard import local_of
+from .sharded_param import rows_per_rank
 
 
 def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
@@ -46,7 +47,7 @@ _SUPPORTED = ((Shard(0),), (Replicate(), Shard(0)))
 def _rows_of(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
     mesh = dt.device_mesh
     world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    chunk = -(-full.shape[0] // world)
+    chunk = rows_per_rank(full.shape[0], world)
     return full[rank * chunk : rank * chunk + local_of(dt).shape[0]]
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from .containers import map_tensors, tensors_in
-from .context import ALLOWED, FSDPContext, LifecycleError, Phase
+from .context import ALLOWED, ExecutionOrder, FSDPContext, LifecycleError, Phase, RootSettings
 from .param_group import Attachment, GroupState, ParamGroup, will_run
 from .precision import MixedPrecisionPolicy, cast_floats
 from .trace import active as active_trace
@@ -70,9 +70,10 @@ class ModuleState:
         self.bwd_targets: list[ModuleState] | None = None
         self.fwd_default: list[ModuleState] = []  # from the context's static order
         self.bwd_default: list[ModuleState] = []
-        # The root context's settings made before it exists (set_is_last_backward
-        # before the first forward, as FSDP2 allows): applied when it is made.
-        self.context_settings: dict[str, Any] = {}
+        # Root settings made on this module before its root's context exists
+        # (set_is_last_backward before the first forward, as FSDP2 allows):
+        # applied, in order, when the context is made.
+        self._for_root: list[Callable[[RootSettings], None]] = []
         # The root's submodules that hold its parameters, while they are sharded
         # between forwards: hooks that gather them for a call on its own
         # (``_arm_parts``), and the part being called.
@@ -106,19 +107,19 @@ class ModuleState:
                 states.append(s)
         ctx = FSDPContext(self, states)
         for s in reversed(states):  # the root's own last: it wins
-            for name, value in s.context_settings.items():
-                setattr(ctx, name, value)
-            s.context_settings.clear()
-        gathering = [s for s in states if s.group is not None]
-        for s in states:
+            for apply in s._for_root:
+                apply(ctx.settings)
+            s._for_root.clear()
+        # The static orders' prefetch targets, computed once here (the hooks run
+        # for every module, every step), as the recorded orders' are.
+        depths = {id(s): s.prefetch for s in states}
+        forward, backward = ExecutionOrder(states, depths), ExecutionOrder(states[::-1], depths)
+        for i, s in enumerate(states):
             s.context = ctx
             if s.reshard_after_forward_setting is None:
                 s.reshard_after_forward = s is not self
-            # Computed once here: the hooks run for every module, every step.
-            later = [t for t in gathering if t.order_index > s.order_index]
-            earlier = [t for t in gathering if t.order_index < s.order_index]
-            s.fwd_default = later[: s.prefetch]
-            s.bwd_default = earlier[::-1][: s.prefetch]
+            s.fwd_default = forward.targets[i]
+            s.bwd_default = backward.targets[len(states) - 1 - i]
         return ctx
 
     def _gather(self, prefetch: list[ModuleState]) -> None:
@@ -325,7 +326,9 @@ class ModuleState:
             # memory held.
             ctx.finish_reduces(keep=self.max_reduces_in_flight - 1, overlap=True)
             job = self.group.reduce_grads(
-                grads or [None] * len(self.group.params), ctx.is_last_backward, ctx.downloads
+                grads or [None] * len(self.group.params),
+                ctx.settings.is_last_backward,
+                ctx.downloads,
             )
             if job is not None:
                 ctx.pending_reduces.append(job)
@@ -415,6 +418,14 @@ class ModuleState:
             self.group.detach_autograd()
         self.backward_done = False
         self.phase = Phase.IDLE
+
+    def set_for_root(self, apply: Callable[[RootSettings], None]) -> None:
+        """Change the root's settings (``apply`` writes them): now, or once the
+        root's context is made."""
+        if self.context is not None:
+            apply(self.context.settings)
+        else:
+            self._for_root.append(apply)
 
     def reshard_now(self, keep: bool = False) -> None:
         """Free what is gathered; ``keep``: after forward, what backward gathers from."""

@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .context import FSDPContext, Phase
+from .flat_shard import local_of
 
 if TYPE_CHECKING:
     from .module import ModuleState
@@ -249,10 +250,10 @@ def _step_locals(
     for pg in param_groups:
         params = []
         for p in pg["params"]:
-            lp = _local(p).detach()
-            lp.grad = _local(grads[id(p)])
+            lp = local_of(p).detach()
+            lp.grad = local_of(grads[id(p)])
             if p in opt.state:
-                state[lp] = {k: _local(v) for k, v in opt.state[p].items()}
+                state[lp] = {k: local_of(v) for k, v in opt.state[p].items()}
             pairs.append((p, lp))
             params.append(lp)
         local_groups.append({**pg, "params": params})
@@ -262,7 +263,7 @@ def _step_locals(
         after = {}
         for k, v in state[lp].items():
             old = before.get(k)
-            if old is not None and _local(old) is v:
+            if old is not None and local_of(old) is v:
                 after[k] = old  # updated in place
             elif isinstance(v, torch.Tensor) and isinstance(p, DTensor) and _like(v, lp, k):
                 meta = TensorMeta(p.shape, p.stride(), v.dtype)
@@ -272,10 +273,6 @@ def _step_locals(
                 after[k] = v
         opt.state[p] = after
         lp.grad = None
-
-
-def _local(t: Any) -> Any:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _like(v: torch.Tensor, local_param: torch.Tensor, key: str) -> bool:

@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from .extensions import Extension
 
 
+def rows_per_rank(rows: int, world: int) -> int:
+    """Dim 0's split, as ``torch.chunk``'s: ceil(rows / world) rows for each rank,
+    the last ones shorter or empty. The one place the layout's rule is written."""
+    return -(-rows // world)
+
+
 @dataclass
 class ShardedParam:
     """One parameter: where it is registered, how it is split, its two forms."""
@@ -53,7 +59,7 @@ class ShardedParam:
     def __post_init__(self) -> None:
         size = self.shape[self.dim]
         # Dim 0 may split unevenly (torch.chunk); other dims split evenly (checked by api.py).
-        self.chunk = math.ceil(size / self.world) if self.dim == 0 else size // self.world
+        self.chunk = rows_per_rank(size, self.world) if self.dim == 0 else size // self.world
         self.local_size = max(0, min(self.chunk, size - self.rank * self.chunk))
         self.before = math.prod(self.shape[: self.dim])  # elements before the split dim
         self.after = math.prod(self.shape[self.dim + 1 :])  # and after it
