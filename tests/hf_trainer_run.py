@@ -62,14 +62,18 @@ def main() -> None:
             seen["torch_fsdpmodule"] = sum(isinstance(m, FSDPModule) for m in layers)
             seen["shardwise"] = sum(hasattr(m, "_shardwise_state") for m in layers)
 
-    fsdp = {} if args.impl == "none" else {
-        "fsdp": "full_shard",
-        "fsdp_config": {
-            "fsdp_version": 2,
-            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            "reshard_after_forward": True,
-        },
-    }
+    fsdp = (
+        {}
+        if args.impl == "none"
+        else {
+            "fsdp": "full_shard",
+            "fsdp_config": {
+                "fsdp_version": 2,
+                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                "reshard_after_forward": True,
+            },
+        }
+    )
     targs = tf.TrainingArguments(
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), f"trainer-{args.impl}"),
         per_device_train_batch_size=8,

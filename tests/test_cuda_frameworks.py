@@ -36,7 +36,9 @@ def run(impl: str, out: Path) -> dict:
     cmd += ["--master-port", str(29500 + len(impl)), str(SCRIPT), "--impl", impl, "--out", str(out)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, f"{impl}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    assert done.returncode == 0, (
+        f"{impl}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    )
     return json.loads(out.read_text())
 
 

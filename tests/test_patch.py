@@ -43,11 +43,20 @@ def patched():
         shardwise.unpatch_fsdp2()
 
 
+def routed(f: object, ours: object) -> bool:
+    """Whether ``f`` is patch_fsdp2's stand-in for shardwise's ``ours``."""
+    return bool(getattr(f, "_shardwise_routed", False)) and f.__wrapped__ is ours  # type: ignore[attr-defined]
+
+
 def test_patch_routes_torch_names_and_unpatch_restores_them(patched: None) -> None:
-    assert torch_fsdp.fully_shard is shardwise.fully_shard
-    assert composable.fully_shard is shardwise.fully_shard
-    assert torch_fsdp.register_fsdp_forward_method is shardwise.register_fsdp_forward_method
+    assert routed(torch_fsdp.fully_shard, shardwise.fully_shard)
+    assert routed(composable.fully_shard, shardwise.fully_shard)
+    assert routed(torch_fsdp.register_fsdp_forward_method, shardwise.register_fsdp_forward_method)
     assert shardwise.fsdp2_patched()
+    # A user's own import of shardwise's function is not a routed name.
+    mine = types.ModuleType("users_own")
+    exec("from shardwise import fully_shard\n", mine.__dict__)
+    sys.modules["users_own"] = mine
     # torch's own module keeps its names (its internals call fully_shard.state).
     impl = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
     assert impl.fully_shard is TORCH[0]
@@ -55,12 +64,18 @@ def test_patch_routes_torch_names_and_unpatch_restores_them(patched: None) -> No
     code = "from torch.distributed.fsdp import fully_shard\n"
     late = types.ModuleType("late_framework")
     exec(code, late.__dict__)
-    assert late.fully_shard is shardwise.fully_shard
-    shardwise.unpatch_fsdp2()
-    shardwise.unpatch_fsdp2()  # idempotent
-    assert torch_fsdp.fully_shard is TORCH[0]
-    assert composable.fully_shard is TORCH[0]
-    assert not shardwise.fsdp2_patched()
+    assert routed(late.fully_shard, shardwise.fully_shard)
+    sys.modules["late_framework"] = late
+    try:
+        shardwise.unpatch_fsdp2()
+        shardwise.unpatch_fsdp2()  # idempotent
+        assert torch_fsdp.fully_shard is TORCH[0]
+        assert composable.fully_shard is TORCH[0]
+        assert late.fully_shard is TORCH[0]  # bound while patched: restored too
+        assert mine.fully_shard is shardwise.fully_shard  # the user's own: untouched
+        assert not shardwise.fsdp2_patched()
+    finally:
+        del sys.modules["late_framework"], sys.modules["users_own"]
 
 
 def test_patch_reaches_names_bound_before_it() -> None:
@@ -71,7 +86,7 @@ def test_patch_reaches_names_bound_before_it() -> None:
     try:
         shardwise.patch_fsdp2()
         shardwise.patch_fsdp2()  # idempotent: nothing is swapped twice
-        assert early.fully_shard is shardwise.fully_shard  # type: ignore[attr-defined]
+        assert routed(early.fully_shard, shardwise.fully_shard)  # type: ignore[attr-defined]
         assert early.other is len  # type: ignore[attr-defined]
         shardwise.unpatch_fsdp2()
         assert early.fully_shard is TORCH[0]  # type: ignore[attr-defined]
