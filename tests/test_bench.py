@@ -18,11 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from shardwise import benchmark
-from shardwise.bench import memory
-from shardwise.bench.models import build, resolve
-from shardwise.bench.report import add_ratios
-from shardwise.models.gpt import GPT, SIZES
+from shardwise_app.bench import command, memory
+from shardwise_app.bench.models import build, resolve
+from shardwise_app.bench.tables import add_ratios
+from shardwise_app.models.gpt import GPT, SIZES
 
 FAST = ["--device", "cpu", "--nproc", "1", "--seq-len", "16", "--batch-size", "2"]
 FAST += ["--steps", "1", "--warmup", "0", "--rounds", "1"]
@@ -74,7 +73,7 @@ def test_held_tensors_count_each_storage_once() -> None:
 SW = "/src/shardwise/param_group.py"
 FSDP_PARAM = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_param.py"
 FSDP_COLL = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
-GPT_FWD = ("/src/shardwise/models/gpt.py", "forward")
+GPT_FWD = ("/src/shardwise_app/models/gpt.py", "forward")
 
 
 def _alloc(addr: int, size: int, *frames: tuple[str, str]) -> dict[str, Any]:
@@ -91,7 +90,7 @@ def _free(addr: int, size: int) -> dict[str, Any]:
 
 
 def _mark(addr: int) -> list[dict[str, Any]]:
-    return [_alloc(addr, 4, ("/src/shardwise/bench/memory.py", memory.MARK)), _free(addr, 4)]
+    return [_alloc(addr, 4, ("/src/shardwise_app/bench/memory.py", memory.MARK)), _free(addr, 4)]
 
 
 def test_allocator_record_is_attributed_at_its_peak() -> None:
@@ -160,7 +159,7 @@ def test_the_code_attributed_by_stack_still_exists() -> None:
 
 def _run(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Any, str]:
     out = tmp_path / "bench.json"
-    assert benchmark.main([*args, *FAST, "--json", str(out)]) == 0
+    assert command.main([*args, *FAST, "--json", str(out)]) == 0
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
@@ -259,7 +258,7 @@ def test_bad_input(
     folders = {"empty": tmp_path / "empty", "broken": tmp_path / "broken", "llama": llama_dir}
     args = [a.format(**folders) for a in args]
     out = tmp_path / "never.json"
-    assert benchmark.main(["--device", "cpu", *args, "--json", str(out)]) == 2
+    assert command.main(["--device", "cpu", *args, "--json", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not out.exists()
@@ -271,13 +270,13 @@ def test_float8_needs_torchao_and_a_gpu(
     out = tmp_path / "never.json"
     args = ["--device", "cpu", "--float8", "--json", str(out)]
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao now fails
-    assert benchmark.main(args) == 2
+    assert command.main(args) == 2
     assert "--float8 needs torchao" in capsys.readouterr().err
     fake = types.ModuleType("torchao")
     monkeypatch.setitem(sys.modules, "torchao", fake)
     monkeypatch.setitem(sys.modules, "torchao.float8", types.ModuleType("torchao.float8"))
     fake.float8 = sys.modules["torchao.float8"]  # type: ignore[attr-defined]
-    assert benchmark.main(args) == 2
+    assert command.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "need a CUDA GPU" in err[0], err
     assert not out.exists()
@@ -289,7 +288,7 @@ def test_hf_without_transformers(
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
     out = tmp_path / "never.json"
     args = ["--device", "cpu", "--model", f"hf:{llama_dir}", "--json", str(out)]
-    assert benchmark.main(args) == 2
+    assert command.main(args) == 2
     assert "needs the transformers package" in capsys.readouterr().err
     assert not out.exists()
 
@@ -389,7 +388,7 @@ def test_pure_bf16_keeps_no_fp32_master_weights(tmp_path: Path) -> None:
     gradient and AdamW state) in bf16, in the bare model and the sharded one."""
     import torch.distributed as dist
 
-    from shardwise.bench.worker import Job, build_job
+    from shardwise_app.bench.jobs import Job, build_job
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -405,8 +404,8 @@ def test_optimizer_in_backward_steps_inside_the_benchmarked_backward(tmp_path: P
     """``--optimizer-in-backward``: shardwise's AdamW has stepped when backward returns."""
     import torch.distributed as dist
 
-    from shardwise.bench.models import logits
-    from shardwise.bench.worker import Job, build_job
+    from shardwise_app.bench.jobs import Job, build_job
+    from shardwise_app.bench.models import logits
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

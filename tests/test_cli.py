@@ -122,7 +122,7 @@ def test_a_worker_ends_with_its_output_and_without_finalization(
     gloo's threads aborted successful runs (cli/worker.py ``end``), and loses no output."""
     script = (
         "import atexit, sys\n"
-        "from shardwise.cli.worker import end\n"
+        "from shardwise_app.cli.worker import end\n"
         "atexit.register(lambda: print('finalized', flush=True))\n"
         "print('out', end='')\n"
         "sys.stderr.write('err')\n"
@@ -290,7 +290,7 @@ def test_sample_of_a_folder_that_is_no_checkpoint(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_export_of_a_gpt_run_is_refused(reference: Path, tmp_path: Path, capsys) -> None:
-    from shardwise.cli.main import main
+    from shardwise_app.cli.main import main
 
     assert main(["export", "--ckpt", str(reference), "--out", str(tmp_path / "never")]) == 2
     err = capsys.readouterr().err
@@ -305,7 +305,7 @@ def test_export_of_a_gpt_run_is_refused(reference: Path, tmp_path: Path, capsys)
 def test_each_rank_reads_its_slice_of_the_same_global_batch() -> None:
     import torch
 
-    from shardwise.data import BatchSampler
+    from shardwise_app.data import BatchSampler
 
     data = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
 
@@ -327,8 +327,8 @@ def test_each_rank_reads_its_slice_of_the_same_global_batch() -> None:
 def test_default_corpus_and_model_sizes() -> None:
     import torch
 
-    from shardwise.data import load_corpus
-    from shardwise.models import GPT, SIZES, num_params
+    from shardwise_app.data import load_corpus
+    from shardwise_app.models import GPT, SIZES, num_params
 
     a, b = load_corpus(), load_corpus()
     assert a.sha256 == b.sha256 and 1_000_000 < a.train.numel() + a.val.numel() <= 4 * 2**20

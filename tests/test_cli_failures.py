@@ -50,7 +50,7 @@ def test_ctrl_c_while_starting_then_kill_9_of_the_launcher(tmp_path: Path) -> No
     run = tmp_path / "run"
     proc = start("train", *LONG, "--out", "run", cwd=tmp_path)
     # The workers are importing torch: the seconds after pressing Enter. (The
-    # few milliseconds before Python runs our entry script are not covered.)
+    # few milliseconds before Python runs our entry module are not covered.)
     wait_for("the workers", lambda: len(children(proc.pid)) == 2)
     wait_for("the workers' entry", lambda: all(map(handles_sighup, children(proc.pid))))
     os.killpg(proc.pid, signal.SIGINT)
@@ -195,8 +195,8 @@ def test_full_disk_pieces_without_a_tmpfs(tmp_path: Path) -> None:
     """
     import errno
 
-    from shardwise.cli.failures import save_failure
-    from shardwise.cli.run_folder import remove_unfinished_saves
+    from shardwise_app.cli.failures import save_failure
+    from shardwise_app.cli.run_folder import remove_unfinished_saves
 
     (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_000004.partial").mkdir()
@@ -213,7 +213,7 @@ def test_full_disk_pieces_without_a_tmpfs(tmp_path: Path) -> None:
 
 
 def _bad_in_process(argv: list[str], cwd: Path, capsys, monkeypatch) -> str:
-    from shardwise.cli.main import main
+    from shardwise_app.cli.main import main
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDWISE_RUN_CONFIG"):
         monkeypatch.delenv(k, raising=False)
@@ -271,7 +271,7 @@ def test_bench_device_cuda_without_a_gpu(tmp_path, capsys, monkeypatch) -> None:
 
 @pytest.mark.timeout(60)
 def test_bench_help_shows_defaults_without_markup(capsys) -> None:
-    from shardwise.cli.main import main
+    from shardwise_app.cli.main import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--help"])

@@ -149,7 +149,7 @@ def lora_run(folders: dict[str, Path]) -> Path:
 @pytest.fixture(scope="module")
 def lora_merged(lora_run: Path, folders: dict[str, Path]) -> Path:
     """``shardwise export`` of the LoRA run, merged, by one process (this one)."""
-    from shardwise.cli.main import main
+    from shardwise_app.cli.main import main
 
     out = folders["root"] / "lora_merged"
     assert main(["export", "--ckpt", str(lora_run), "--out", str(out)]) == 0
@@ -186,7 +186,7 @@ def losses(run: Path, key: str = "loss") -> list[float]:
 
 def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """``shardwise ARGS`` in this process (transformers is imported here already)."""
-    from shardwise.cli.main import main
+    from shardwise_app.cli.main import main
 
     code = main(args)
     out = capsys.readouterr()
@@ -198,8 +198,8 @@ def cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
 
 @pytest.mark.timeout(60)
 def test_data_is_tokenized_and_packed_with_eos(folders: dict[str, Path]) -> None:
-    from shardwise.data import load_corpus
-    from shardwise.models.hf import load_tokenizer
+    from shardwise_app.data import load_corpus
+    from shardwise_app.models.hf import load_tokenizer
 
     tok = load_tokenizer(folders["llama"])
     corpus = load_corpus(str(folders["data"]), min_split_bytes=33, tokenizer=tok)
@@ -214,9 +214,9 @@ def test_data_is_tokenized_and_packed_with_eos(folders: dict[str, Path]) -> None
 
 def one_process_reference(folders: dict[str, Path], run: Path) -> tuple[list[float], Any]:
     """The run's recipe on one process, from ``from_pretrained``, uncompiled, on the whole batch."""
-    from shardwise.cli.train import lr_at
-    from shardwise.data import BatchSampler, load_corpus
-    from shardwise.models.hf import load_tokenizer
+    from shardwise_app.cli.train import lr_at
+    from shardwise_app.data import BatchSampler, load_corpus
+    from shardwise_app.models.hf import load_tokenizer
 
     cfg = json.loads((run / "config.json").read_text())
     model = from_pretrained(folders["llama"]).train()

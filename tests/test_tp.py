@@ -33,7 +33,7 @@ import shardwise
 import shardwise.checkpoint as sw_checkpoint
 from dist_utils import run_distributed, run_named_checks
 from shardwise import FSDPModule, collectives, fully_shard
-from shardwise.models.gpt import Block, GPTConfig
+from shardwise_app.models.gpt import Block, GPTConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -266,7 +266,7 @@ def test_mlp_tp_x_fsdp_matches_single_process(shared: dict[str, Any]) -> None:
 
 
 def test_gpt_block_tp_x_fsdp_matches_single_process(shared: dict[str, Any]) -> None:
-    """shardwise.models.gpt.Block: with sequence parallelism (its norms become TP-Replicate
+    """shardwise_app.models.gpt.Block: with sequence parallelism (its norms become TP-Replicate
     DTensors), without it (its norms stay plain and are sharded over dp only), with and
     without activation checkpointing."""
     assert shared["gpt"] is None, shared["gpt"]

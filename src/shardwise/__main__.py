@@ -1,16 +1,10 @@
-"""``python -m shardwise``: the same as the ``shardwise`` console script."""
+"""``python -m shardwise``: the ``shardwise`` command, which lives in ``shardwise_app``.
 
-import sys
-
-from shardwise.cli.main import in_worker, main
-from shardwise.cli.worker import keep_going_without_stdout
+Only running it loads the application (``pip install 'shardwise[cli]'``);
+``import shardwise`` never imports this file.
+"""
 
 if __name__ == "__main__":
-    keep_going_without_stdout()
-    if not in_worker():
-        sys.exit(main())
-    # One rank under torchrun (``torchrun ... -m shardwise train``): ends as the
-    # workers our own launcher starts do (cli/worker.py's ``end``).
-    from shardwise.cli.worker import run_to_end
+    from shardwise_app.cli.main import run_as_module
 
-    run_to_end(main)
+    run_as_module()

@@ -1,6 +1,6 @@
 """What the GPU probes share: CUDA-event timing, and the GPT ``medium`` (1B) parameter shapes."""
 import torch
-from shardwise.bench.models import build, resolve
+from shardwise_app.bench.models import build, resolve
 
 def timeit(fn, iters=20, warmup=3):
     """Mean milliseconds of ``fn`` over ``iters`` calls, timed on the current stream."""

@@ -66,7 +66,7 @@ def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from .. import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from shardwise import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     device = torch.device(job.device)
     model, blocks = build(_spec(job), device, job.ac)
@@ -100,7 +100,7 @@ def build_job(job: Job) -> tuple[torch.nn.Module, Any]:
     # (offloaded, it steps on CPU, where torch has a fused AdamW too).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
     if job.optimizer_in_backward:
-        from .. import optimizer_in_backward
+        from shardwise import optimizer_in_backward
 
         optimizer_in_backward(model, opt)
     return model, opt
@@ -129,7 +129,7 @@ def _traced_step(job: Job, step: Callable[[], None], opt: Any) -> dict[str, Any]
     waited for communication, and whether prefetches arrived in time."""
     if job.config != "shardwise":
         return None
-    from ..trace import trace
+    from shardwise import trace
 
     if job.device == "cuda":
         torch.cuda.synchronize()
@@ -200,7 +200,7 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
             return loss.detach()
 
         # What shardwise's all-gathers move per step (the timeline's bytes).
-        from ..collectives import add_observer
+        from shardwise.collectives import add_observer
 
         gathered_bytes = [0]
 
@@ -285,7 +285,7 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
 
 def _end(q: Any) -> None:
     """The result delivered, end without interpreter finalization, whose race
-    with gloo's threads can abort a finished worker (``cli.worker.end`` says how)."""
+    with gloo's threads can abort a finished worker (cli/worker.py's ``end`` says how)."""
     from ..cli.worker import end
 
     q.close()
@@ -337,7 +337,7 @@ def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from .. import fully_shard
+    from shardwise import fully_shard
 
     try:
         torch.set_num_threads(1)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..api import fully_shard
+from shardwise import fully_shard
 
 CHECKPOINTING = ("none", "reentrant", "non-reentrant", "selective")
 
@@ -163,6 +163,27 @@ def shard_model(
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    return model
+
+
+def build_sharded(
+    config: dict[str, Any],
+    device: torch.device,
+    *,
+    mesh: Any = None,
+    mp_policy: Any = None,
+    activation_checkpointing: str = "none",
+    compile: bool = False,
+) -> GPT:
+    """A run's GPT from its ``model_config`` (config.json): built on ``device``,
+    sharded by ``shard_model``, its blocks compiled if ``compile``. Call on every rank."""
+    with torch.device(device):
+        model = GPT(GPTConfig(**config))
+    shard_model(
+        model, mesh=mesh, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing
+    )
+    if compile:
+        compile_blocks(list(model.blocks), device.type)
     return model
 
 

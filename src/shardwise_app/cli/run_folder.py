@@ -48,7 +48,7 @@ def find_checkpoint(path: str, flag: str) -> tuple[Path, dict[str, Any]]:
     damaged checkpoint given by name is refused; in a run folder, each
     damaged one newer than the one chosen is named on stderr.
     """
-    from ..checkpoint import DamagedCheckpoint, verify
+    from shardwise.checkpoint import DamagedCheckpoint, verify
 
     p = Path(path)
     if p.exists() and not p.is_dir():

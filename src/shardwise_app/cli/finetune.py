@@ -5,8 +5,8 @@ transformers model from disk lives here: the flags (``--hf``, ``--lora``,
 ``--lora-alpha``, ``--lora-targets``, ``--adapter-only``), checking them in
 the launcher without importing transformers (a missing folder, weights or
 extra is one line, exit 2), building the sharded model in a worker (the
-built-in GPT's too, so the loop sees one kind of model), and the export at
-the end of the run. The library side is ``shardwise.models.hf``.
+built-in GPT's too, by ``models/gpt.py``, so the loop sees one kind of model),
+and the export at the end of the run. The model side is ``models/hf.py``.
 """
 
 from __future__ import annotations
@@ -167,9 +167,10 @@ def build_model(cfg: dict[str, Any], device: Any, world: int) -> tuple[Any, Any,
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..models.gpt import GPT, GPTConfig, compile_blocks, shard_model
+    from shardwise import MixedPrecisionPolicy
+
+    from ..models.gpt import build_sharded
     from ..models.hf import logits
-    from ..precision import MixedPrecisionPolicy
 
     if cfg["hsdp"] > 1:
         mesh = init_device_mesh(
@@ -186,13 +187,14 @@ def build_model(cfg: dict[str, Any], device: Any, world: int) -> tuple[Any, Any,
         # Built on meta, sharded, then each rank reads only its rows from disk.
         hf, tokenizer = build(cfg, device, mesh, mp)
         return hf.model, partial(logits, hf.model), hf, tokenizer
-    with torch.device(device):
-        model = GPT(GPTConfig(**cfg["model_config"]))
-    shard_model(
-        model, mesh=mesh, mp_policy=mp, activation_checkpointing=cfg["activation_checkpointing"]
+    model = build_sharded(
+        cfg["model_config"],
+        device,
+        mesh=mesh,
+        mp_policy=mp,
+        activation_checkpointing=cfg["activation_checkpointing"],
+        compile=cfg["compile"],
     )
-    if cfg["compile"]:
-        compile_blocks(list(model.blocks), device.type)
     return model, model, None, None
 
 
@@ -233,7 +235,8 @@ def load_run(
     """
     import warnings
 
-    from .. import checkpoint
+    from shardwise import checkpoint
+
     from ..models import hf
 
     try:

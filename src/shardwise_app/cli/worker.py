@@ -1,4 +1,4 @@
-"""The script every worker our launcher starts runs first: signals before torch.
+"""The module every worker our launcher starts runs first: signals before torch.
 
 The launcher passes Ctrl-C, SIGTERM and SIGHUP on to its workers at once,
 often while they are still importing torch or waiting for each other in
@@ -6,8 +6,9 @@ often while they are still importing torch or waiting for each other in
 KeyboardInterrupt inside that import (a long traceback per worker), and a
 worker that dies there leaves the others waiting for it, for good.
 
-So this file is run as a script (not as ``-m shardwise``, whose package
-import pulls torch in before any of our code runs), and until the worker has
+So a worker runs ``python -m shardwise_app.cli.worker`` (not ``-m shardwise``,
+whose package import pulls torch in before any of our code runs: the
+application's packages import nothing on import), and until the worker has
 joined its process group the first such signal ends it at once, quietly.
 Nothing is lost: a worker writes nothing before it has joined. A helper
 thread does the exiting, woken through ``signal.set_wakeup_fd``, because a
@@ -23,8 +24,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
+from .signals import STOP_SIGNALS
 
 _pair: tuple[socket.socket, socket.socket] | None = None  # kept open for the process's life
 
@@ -104,7 +104,7 @@ def end(code: int | str | None) -> None:
 
 def run_to_end(main: Callable[[], int | None]) -> None:
     """Run a worker's command, then ``end`` with its status (a ``SystemExit``'s too:
-    flags rank 0 refused under torchrun, cli/main.py's ``from_rank0``)."""
+    flags rank 0 refused under torchrun, main.py's ``from_rank0``)."""
     try:
         status: int | str | None = main()
     except SystemExit as e:
@@ -115,10 +115,12 @@ def run_to_end(main: Callable[[], int | None]) -> None:
 if __name__ == "__main__":
     exit_on_first_signal()
     keep_going_without_stdout()
-    # Run as a script, this file's folder is first on sys.path; its main.py
-    # and train.py must not shadow anything torch or others import.
-    del sys.path[0]
+    # ``python -m`` put the working directory first on sys.path, where the
+    # console script that launched us has none: a file there (a torch.py)
+    # must not shadow what the worker imports.
+    if not getattr(sys.flags, "safe_path", False) and sys.path[0] == os.getcwd():
+        del sys.path[0]
 
-    from shardwise.cli.main import main
+    from .main import main
 
     run_to_end(main)

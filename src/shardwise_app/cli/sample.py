@@ -87,7 +87,8 @@ def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distrib
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .. import checkpoint
+    from shardwise import checkpoint
+
     from ..models.gpt import GPT, GPTConfig, shard_model
 
     if distributed:

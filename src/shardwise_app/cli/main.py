@@ -2,8 +2,7 @@
 
 Each subcommand module has ``main(argv) -> int``. Shared here: the bad-input
 error (one line on stderr, exit code 2), starting workers through torch's
-elastic launcher, joining the process group inside a worker, and finding a
-checkpoint from a run folder.
+elastic launcher, and joining the process group inside a worker.
 """
 
 from __future__ import annotations
@@ -17,17 +16,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..extras import CLI, CLI_INSTALL, first_missing
+
 COMMANDS = {
     "train": (
-        "shardwise.cli.train",
+        "shardwise_app.cli.train",
         "train a small GPT, or fine-tune a transformers model (--hf), fully sharded",
     ),
-    "sample": ("shardwise.cli.sample", "print a continuation from a trained checkpoint"),
+    "sample": ("shardwise_app.cli.sample", "print a continuation from a trained checkpoint"),
     "export": (
-        "shardwise.cli.export",
+        "shardwise_app.cli.export",
         "write a fine-tuned run (--hf) as a folder transformers loads",
     ),
-    "bench": ("shardwise.cli.bench", "measure throughput and memory"),
+    "bench": ("shardwise_app.bench.command", "measure throughput and memory"),
 }
 EXIT_USAGE = 2
 CPU_OVERSUBSCRIPTION = 4  # gloo ranks per CPU core we still accept
@@ -43,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         from .worker import keep_going_without_stdout
 
         keep_going_without_stdout()
+    missing = first_missing(CLI)
+    if missing is not None:
+        print(
+            f"shardwise: the command line needs {' and '.join(CLI)} ({missing} is not "
+            f"installed): {CLI_INSTALL}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(), file=sys.stdout if argv else sys.stderr)
@@ -183,7 +192,6 @@ def launch(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from . import worker as worker_entry
     from .failures import launcher_message
 
     launch_id = uuid.uuid4().hex
@@ -221,8 +229,9 @@ def launch(
             for k, v in worker_args.items()
             if v is not None and v is not False
         ]
-        # The entry script, not ``--module shardwise``: see cli/worker.py.
-        torchrun.run(torchrun.parse_args([*flags, worker_entry.__file__, command, *worker_argv]))
+        # Not ``--module shardwise``, whose package import loads torch first: see worker.py.
+        entry = ["--module", "shardwise_app.cli.worker"]
+        torchrun.run(torchrun.parse_args([*flags, *entry, command, *worker_argv]))
     except SignalException as e:
         return on_signal(launch_id, int(e.sigval))
     except ChildFailedError as e:
@@ -291,6 +300,18 @@ def from_rank0(fn: Callable[[], Any], command: str) -> Any:
         dist.destroy_process_group()
         raise SystemExit(EXIT_USAGE)
     return value
+
+
+def run_as_module() -> None:
+    """``python -m shardwise``: the console script, or one rank under torchrun
+    (``torchrun ... -m shardwise train``), which ends as the workers our own
+    launcher starts do (worker.py's ``end``)."""
+    from .worker import keep_going_without_stdout, run_to_end
+
+    keep_going_without_stdout()
+    if not in_worker():
+        sys.exit(main())
+    run_to_end(main)
 
 
 if __name__ == "__main__":

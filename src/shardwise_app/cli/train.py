@@ -209,7 +209,8 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
     """Every setting of the run, checked. Raises ``UsageError``; writes nothing."""
     import torch
 
-    from .. import __version__
+    from shardwise import __version__
+
     from ..data import DataError, load_corpus
     from ..models.gpt import SIZES
     from . import finetune
@@ -335,7 +336,7 @@ def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
 
 def train(args: argparse.Namespace) -> int:
     # Signals only raise a flag from here on; until the process group is
-    # joined, the entry script still ends the worker at once (cli/worker.py).
+    # joined, the entry module still ends the worker at once (cli/worker.py).
     stop = StopRequest()
     stop_when_orphaned()
     w = init_worker()
@@ -352,11 +353,10 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from .. import checkpoint
+    from shardwise import FSDPModule, checkpoint, trace
+
     from ..data import BatchSampler, DataError, eval_offsets, load_corpus, windows
-    from ..fsdp_module import FSDPModule
     from ..models.gpt import num_params
-    from ..trace import trace
     from . import finetune
 
     if CONFIG_ENV in os.environ:
@@ -585,7 +585,7 @@ def _is_new_run(config: dict[str, Any]) -> bool:
 
 def _clip(model: Any, max_norm: float) -> float:
     """Clip to ``max_norm`` (0: no clipping) and return the total gradient norm."""
-    from ..clip import clip_grad_norm_  # one all-reduce for all shards
+    from shardwise import clip_grad_norm_  # one all-reduce for all shards
 
     return float(clip_grad_norm_(model.parameters(), max_norm or float("inf")))
 

@@ -1,9 +1,10 @@
-"""Models that ship with shardwise: what ``shardwise train`` and ``shardwise bench`` run."""
+"""The models the shardwise command ships: what ``shardwise train`` and ``bench`` run."""
 
 from .gpt import (
     GPT,
     SIZES,
     GPTConfig,
+    build_sharded,
     compile_blocks,
     generate,
     num_params,
@@ -15,6 +16,7 @@ __all__ = [
     "GPT",
     "SIZES",
     "GPTConfig",
+    "build_sharded",
     "compile_blocks",
     "generate",
     "num_params",

@@ -1,4 +1,4 @@
-"""Side-by-side benchmark: the bare model, torch's FSDP2 and shardwise, in one invocation.
+"""``shardwise bench``: the bare model, torch's FSDP2 and shardwise side by side, in one invocation.
 
 Why side by side in one invocation: a ratio between two libraries is only
 worth something when both ran the same model, data and settings on the same
@@ -6,7 +6,7 @@ machine at the same time. Each (configuration, round) runs in fresh processes,
 rounds alternate (A B C A B C ...) so drift hits all alike, and every job ends
 with one untimed step whose memory is broken down into parameters, gradients,
 optimizer state, gathered parameters, communication buffers and activations
-(``shardwise.bench.memory`` says how). ``--model`` takes a comma list (a size
+(``memory.py`` says how). ``--model`` takes a comma list (a size
 sweep, ratios per size) and ``hf:PATH`` (a transformers causal LM from a
 local config); ``--compile`` compiles every block in every configuration.
 
@@ -14,7 +14,9 @@ local config); ``--compile`` compiles every block in every configuration.
     shardwise bench --model medium --nproc 1 --mp bf16 --ac none,non-reentrant
     shardwise bench --model small,medium,large --nproc 2 --mp bf16 --configs fsdp2,shardwise
 
-The parts live in ``shardwise.bench``; this module is the command line.
+This module is the command line (flags, checks, alternated rounds, the
+results file); the parts are its neighbours in this package. Results are in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import Any
 
 import torch
 
-from .bench.models import HF_AC, BenchUsageError, ModelSpec, flops_per_token, resolve
-from .bench.report import add_ratios, plot, print_memory_table, print_table
-from .bench.worker import Job, hook_overhead_us, run_job
+from .jobs import Job, hook_overhead_us, run_job
+from .models import HF_AC, BenchUsageError, ModelSpec, flops_per_token, resolve
+from .tables import add_ratios, plot, print_memory_table, print_table
 
 __all__ = ["BenchUsageError", "Job", "build_parser", "hook_overhead_us", "main", "run_job"]
 
@@ -63,7 +65,7 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .models.gpt import SIZES
+    from ..models.gpt import SIZES
 
     p = argparse.ArgumentParser(
         prog="shardwise bench",
@@ -304,7 +306,7 @@ def _check(
     args: argparse.Namespace,
 ) -> tuple[bool, int, list[str], list[str], list[str], list[bool], list[ModelSpec]]:
     """Every flag, before any process starts or any file is written."""
-    from .models.gpt import CHECKPOINTING
+    from ..models.gpt import CHECKPOINTING
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchUsageError("--device cuda: no CUDA GPU is available here; use --device cpu")

@@ -2,7 +2,7 @@
 
 What ``shardwise train --hf PATH``, ``shardwise export`` and ``shardwise
 sample`` run on. transformers, peft and safetensors are imported only inside
-these functions, so ``import shardwise`` and the built-in GPT never need them
+these functions, so the command line and the built-in GPT never need them
 (``pip install 'shardwise[hf]'``).
 
 No rank ever holds the whole model:
@@ -21,7 +21,6 @@ No rank ever holds the whole model:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -32,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..extras import first_missing
 
 EXTRA = ("transformers", "peft", "safetensors")
 INSTALL = "pip install 'shardwise[hf]'"
@@ -49,14 +50,7 @@ class HFError(ValueError):
 
 def missing_extra() -> str | None:
     """The first of transformers, peft, safetensors that is not installed; None if all are."""
-    for name in EXTRA:
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            return name
-    return None
+    return first_missing(EXTRA)
 
 
 def require_extra(flag: str = "--hf") -> None:
@@ -290,7 +284,7 @@ def _prefix_of(outer: nn.Module, inner: nn.Module) -> str:
 
 def shard(hf: HFModel, *, mesh: Any = None, mp_policy: Any = None) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head)."""
-    from ..api import fully_shard
+    from shardwise import fully_shard
 
     for layer in hf.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)

@@ -1,1 +1,0 @@
-"""The ``shardwise`` command line: ``train``, ``sample`` and ``bench`` (see cli/main.py)."""
