@@ -40,13 +40,11 @@ IMPLS = ["shardwise", "fsdp2"]
 # Each list ends with its controls (a sabotage the comparison must notice).
 TITAN_CASES = [
     *(
-        f"partial_dtensor:{loss}:{ac}"
+        f"{backend}:{loss}:{ac}"
+        for backend in ("partial_dtensor", "full_dtensor")
         for loss in ("ce", "chunked")
         for ac in ("none", "full", "selective")
     ),
-    "full_dtensor:chunked:none",
-    "full_dtensor:chunked:selective",
-    "full_dtensor:ce:full",
     "partial_dtensor:chunked:none:accum",
     "control",
     "unpatch",  # last: it unpatches this process
