@@ -36,7 +36,32 @@ _dir: dict[str, str] = {}
 def setup(rank: int, world: int, impl: str, folder: str) -> None:
     _dir["root"] = os.path.join(folder, impl)
     os.makedirs(_dir["root"], exist_ok=True)
+    torchao_shims()
     import torchtune.training  # noqa: F401  (after patch_fsdp2)
+
+
+def torchao_shims() -> None:
+    """torchtune 0.6.1 does not import with torchao 0.18 (what PEFT 0.21 needs:
+    it refuses torchao below 0.16, and torchtune refuses to import without one):
+    ``torchao.dtypes.nf4tensor`` moved to ``torchao.quantization.quantize_.workflows.nf4``
+    (alias the old name), and ``torchtune.training.quantization`` imports quantizers
+    torchao removed (stand in for that module; it is torchtune's QAT/int4 support,
+    which no case uses: ``torchtune.training`` takes only ``get_quantizer_mode`` from it)."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        importlib.import_module("torchao.dtypes.nf4tensor")
+    except ModuleNotFoundError:
+        new = importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+        sys.modules["torchao.dtypes.nf4tensor"] = new
+    try:
+        importlib.import_module("torchtune.training.quantization")
+    except ImportError:
+        stand_in = types.ModuleType("torchtune.training.quantization")
+        stand_in.get_quantizer_mode = lambda quantizer: None  # type: ignore[attr-defined]
+        sys.modules["torchtune.training.quantization"] = stand_in
 
 
 def build(lora: bool) -> nn.Module:
