@@ -35,13 +35,13 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class CollectiveRecord:
     """What one collective moved, as seen by observers (tests, the timeline)."""
 
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
     dtype: torch.dtype
     numel: int  # elements of the full (unsharded) side
     nbytes: int
     group_size: int
     label: str  # the module's name, for humans
-    op: str = ""  # reductions: "sum" (then divided, if at all) or "avg" (inside the collective)
+    op: str = ""  # reductions: "sum" (then divided, if at all), "avg" (inside it), "max" (clipping)
 
 
 Observer = Callable[[CollectiveRecord, "Pending"], None]

@@ -425,6 +425,7 @@ class FSDPContext:
             s.phase = Phase.IDLE
             s.backward_done = False
             s._to_run.clear()
+            s.forget_part()  # a root part whose call raised
             s.reshard_now()
             if s.group is not None:
                 s.group.detach_autograd()

@@ -53,9 +53,6 @@ class FSDPModule(_TorchFSDPModule):
 
     _shardwise_state: ModuleState
     _shardwise_orig_cls: type  # the class fully_shard mixed this into (api.py sets it)
-    # torch's __new__ looks the original class up at this index of the MRO:
-    # [FSDP<Name>, shardwise's FSDPModule, torch's FSDPModule, <Name>, ...].
-    _orig_cls_mro_index = 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Constructing the ``FSDP<Name>`` class directly builds a plain ``<Name>``.

@@ -10,7 +10,7 @@ The four hooks and what each one does to this module's ``ParamGroup``:
   on the outputs. The root also reshards everything when no backward follows.
 - pre-backward (a hook on the forward's output tensors): enter the context's
   backward phase, gather, prefetch in backward order.
-- post-backward (``_Unsharded.backward`` in param_group.py): finish the
+- post-backward (``_Unsharded.backward``, below): finish the
   previous module's reduction, start this one's, reshard. A module whose
   parameters are all frozen has no ``_Unsharded`` to tell it; a pass-through
   function on its inputs (``_AfterInputGrads``) does, once their gradients exist.
@@ -355,6 +355,10 @@ class ModuleState:
         for m in parts.values():
             self._part_hooks.append(m.register_forward_pre_hook(outside_compile(self._before_part)))
             self._part_hooks.append(m.register_forward_hook(outside_compile(self._after_part)))
+
+    def forget_part(self) -> None:
+        """A part's call raised (its post-hook never ran): the next call gathers anew."""
+        self._part = None
 
     def _disarm_parts(self) -> None:
         for handle in self._part_hooks:

@@ -83,7 +83,13 @@ class OptimizerInBackward:
     ) -> None:
         self.optimizer = optimizer
         self.groups = groups
-        self._state: ModuleState = model._shardwise_state  # type: ignore[assignment]
+        # Each group's module state: its context is the one of the root that runs
+        # it (not always ``model``'s: a wrapper whose own forward never runs).
+        self._states: dict[int, ModuleState] = {
+            id(s.group): s
+            for s in model._sharded_states(True)  # type: ignore[attr-defined,operator]
+            if s.group is not None
+        }
         # Only steps that issue no collective may leave the autograd thread: a
         # DTensor step (a norm, a redistribute) would interleave its collectives
         # with the backward's, in a different order on each rank.
@@ -120,18 +126,19 @@ class OptimizerInBackward:
         raised: clean it up now (it waits for the worker) rather than at the next forward."""
         if threading.current_thread() is not threading.main_thread():
             return  # another thread (a logger) while a backward may run
-        ctx = self._context()
-        if ctx is not None and ctx.abandoned():
-            ctx.abandon_backward()
+        contexts = {id(c): c for s in self._states.values() if (c := s.context) is not None}
+        for ctx in contexts.values():
+            if ctx.abandoned():
+                ctx.abandon_backward()
 
-    def _context(self) -> FSDPContext | None:
-        """The root context every stepped group belongs to (None before the first forward)."""
-        return self._state.context  # every group's: they are under one root
+    def _context(self, group: ParamGroup) -> FSDPContext | None:
+        """The root context ``group`` runs under (None before its first forward)."""
+        return self._states[id(group)].context
 
     def grads_ready(self, group: ParamGroup, download: Any) -> None:
         """``group``'s gradients are assigned (``download``: the event of their copy to
         the host, or None): step it now, or on the worker thread."""
-        ctx = self._context()
+        ctx = self._context(group)
         assert ctx is not None
         if ctx.forwards > 1:
             # Several forwards before this backward: a module may be reduced once
@@ -142,7 +149,7 @@ class OptimizerInBackward:
         self.start(group, download)
 
     def start(self, group: ParamGroup, download: Any) -> None:
-        ctx = self._context()
+        ctx = self._context(group)
         assert ctx is not None
         # The gradients as they are now: a caller's zero_grad after a failed
         # backward must not change what a queued step applies.
@@ -157,7 +164,7 @@ class OptimizerInBackward:
 
     def check_not_stepped(self, group: ParamGroup) -> None:
         """Refuse to gather a module again in the backward that stepped it."""
-        ctx = self._context()
+        ctx = self._context(group)
         if ctx is not None and ctx.phase is Phase.BACKWARD and group in ctx.stepped:
             raise RuntimeError(
                 f"module {group.label!r} is needed again in the backward that already "
