@@ -120,3 +120,9 @@ def run_named_checks(
         except Exception:  # noqa: BLE001 - reported by the check's own test
             out[name] = traceback.format_exc()
     return out
+
+
+def first_failures(per_rank: list[dict[str, str | None]], names: Any) -> dict[str, str | None]:
+    """``run_named_checks``' results of every rank merged: per name, the first
+    rank's traceback where one failed, else None."""
+    return {n: next((r[n] for r in per_rank if r[n]), None) for n in names}

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 import shardwise
-from dist_utils import run_distributed, run_named_checks
+from dist_utils import first_failures, run_distributed, run_named_checks
 from models import VOCAB, batches
 from shardwise import collectives, fully_shard
 from test_core import global_mean
@@ -343,7 +343,7 @@ def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]
 def results() -> dict[str, str | None]:
     names = sorted(CHECKS)
     per_rank = run_distributed(run_checks, 2, names, timeout=250)
-    return {n: next((r[n] for r in per_rank if r[n]), None) for n in names}
+    return first_failures(per_rank, names)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise
-from dist_utils import run_distributed, run_named_checks
+from dist_utils import first_failures, run_distributed, run_named_checks
 from models import Net, batches, loss_fn
 from shardwise import collectives, fully_shard
 from test_core import assert_between_steps, shard_net
@@ -435,7 +435,7 @@ def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]
 @pytest.fixture(scope="module")
 def results() -> dict[str, str | None]:
     per_rank = run_distributed(run_checks, 2, list(CHECKS_W2), timeout=250)
-    return {n: next((r[n] for r in per_rank if r[n]), None) for n in CHECKS_W2}
+    return first_failures(per_rank, CHECKS_W2)
 
 
 @pytest.mark.parametrize("name", list(CHECKS_W2))

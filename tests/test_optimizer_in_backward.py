@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import shardwise
-from dist_utils import run_distributed, run_named_checks
+from dist_utils import first_failures, run_distributed, run_named_checks
 from models import Block, Net, batches, loss_fn
 from shardwise import fully_shard, optimizer_in_backward
 from test_core import assert_between_steps, global_mean
@@ -367,7 +367,7 @@ def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]
 @pytest.fixture(scope="module")
 def results() -> dict[str, str | None]:
     per_rank = run_distributed(run_checks, 2, list(CHECKS), timeout=200)
-    return {n: next((r[n] for r in per_rank if r[n]), None) for n in CHECKS}
+    return first_failures(per_rank, CHECKS)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
-from dist_utils import run_distributed, run_named_checks
+from dist_utils import first_failures, run_distributed, run_named_checks
 from shardwise import fully_shard
 from test_core import assert_between_steps
 
@@ -223,7 +223,7 @@ def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]
 @pytest.fixture(scope="module")
 def results() -> dict[str, str | None]:
     per_rank = run_distributed(run_checks, 2, list(CHECKS), timeout=200)
-    return {n: next((r[n] for r in per_rank if r[n]), None) for n in CHECKS}
+    return first_failures(per_rank, CHECKS)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardwise
 import shardwise.checkpoint as sw_checkpoint
-from dist_utils import run_distributed, run_named_checks
+from dist_utils import first_failures, run_distributed, run_named_checks
 from shardwise import FSDPModule, collectives, fully_shard
 from shardwise_app.models.gpt import Block, GPTConfig
 
@@ -459,7 +459,7 @@ def shared_worker(rank: int, world: int) -> dict[str, str | None]:
 def shared() -> dict[str, str | None]:
     """Each SHARED check's first failing rank's traceback, or None."""
     per_rank = run_distributed(shared_worker, 4, timeout=280)
-    return {n: next((r[n] for r in per_rank if r[n]), None) for n in SHARED}
+    return first_failures(per_rank, SHARED)
 
 
 def test_bad_tp_input_gets_one_clear_error_and_changes_nothing(shared: dict[str, Any]) -> None:
