@@ -32,19 +32,13 @@ from .failures import (
     kept,
     passes_through,
     peer_lost,
+    peer_timeout,
     report_worker_failure,
     save_failure,
 )
-from .main import (
-    LAUNCH_ID_ENV,
-    Worker,
-    from_rank0,
-    in_worker,
-    init_worker,
-    launch,
-    launch_from_args,
-)
-from .report import Reporter, read_json
+from .launcher import check_fault_arguments, launch
+from .main import LAUNCH_ID_ENV, Worker, from_rank0, in_worker, init_worker, launch_from_args
+from .report import Reporter, read_json, read_jsonl
 from .run_folder import (
     commit,
     create_and_lock,
@@ -52,7 +46,7 @@ from .run_folder import (
     remove_unfinished_saves,
 )
 from .signals import STOP_SIGNALS, StopRequest, stop_when_orphaned
-from .train_config import build_parser, is_new_run, resolve
+from .train_config import build_parser, for_restart, is_new_run, resolve
 
 # How our launcher hands the resolved config to its workers (see main()).
 CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
@@ -65,6 +59,7 @@ def main(argv: list[str]) -> int:
     if in_worker():
         return train(args)
     where = launch_from_args(args)
+    check_fault_arguments(args)
     config = resolve(args, world=where.world)
     out = Path(config["out"])
     _lock, created = create_and_lock(out, "--out", new_run=is_new_run(config))
@@ -84,7 +79,25 @@ def main(argv: list[str]) -> int:
                 print(_stopped_early(signum, config), file=sys.stderr)
             return 128 + signum
 
-        return launch("train", {"out": out}, where, on_signal=on_signal)
+        def on_restart(what: str) -> str:
+            remove_unfinished_saves(out)  # the failed launch's save, if it was saving
+            rows = read_jsonl(out / "metrics.jsonl")
+            started = read_json(out / "config.json").get("launch_id") == os.environ[LAUNCH_ID_ENV]
+            at = f"at step {rows[-1]['step'] + 1 if rows else 1}" if started else "while starting"
+            restart, ckpt = for_restart(config, out)
+            os.environ[CONFIG_ENV] = json.dumps(restart)
+            start = ckpt.relative_to(out) if ckpt else "the start (nothing was saved yet)"
+            return f"shardwise train: {what} {at}; restarting every worker from {start}"
+
+        return launch(
+            "train",
+            {"out": out, "timeout": args.timeout},
+            where,
+            on_signal=on_signal,
+            then=lambda: kept(for_restart(config, out)[1]),
+            max_restarts=args.max_restarts,
+            on_restart=on_restart,
+        )
     finally:
         remove_if_unused(out, created)
 
@@ -97,7 +110,8 @@ def train(args: argparse.Namespace) -> int:
     # joined, the entry module still ends the worker at once (cli/worker.py).
     stop = StopRequest()
     stop_when_orphaned()
-    w = init_worker()
+    check_fault_arguments(args)
+    w = init_worker(timeout_s=args.timeout)
     try:
         return _train(args, w, stop)
     except BaseException as e:  # one line, said by the one rank that should
@@ -227,7 +241,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
         try:
             checkpoint.save(path, model, optimizer, extra=extra, trainable_only=trainable_only)
         except BaseException as e:
-            if passes_through(e) or peer_lost(e):
+            if passes_through(e) or peer_lost(e) or peer_timeout(e):
                 raise
             # Every rank gets a failed save (DCP shares the outcome): one line.
             # Measured before the half-written folder goes: a full disk shows.

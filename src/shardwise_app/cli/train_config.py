@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .finetune import DEFAULTS as FINETUNE_DEFAULTS
+from .launcher import add_fault_arguments
 from .main import UsageError, add_launch_arguments
 from .run_folder import find_checkpoint, holds_only_the_lock
 
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from a run folder (its latest checkpoint) or a checkpoint folder",
     )
     add_launch_arguments(p)
+    add_fault_arguments(p)
     return p
 
 
@@ -269,6 +271,21 @@ def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
             "one (or --resume the run in it)"
         )
     return out
+
+
+def for_restart(config: dict[str, Any], out: Path) -> tuple[dict[str, Any], Path | None]:
+    """The config that continues ``config``'s run from the newest good checkpoint in ``out``,
+    and that checkpoint; with none there yet, the run as it began, and ``None``."""
+    try:
+        ckpt, _ = find_checkpoint(str(out), "--resume")
+    except UsageError:
+        return config, None
+    resume = {
+        "resume": str(ckpt.resolve()),
+        "resume_step": _step_of(ckpt),
+        "resumed_metrics": str(out / "metrics.jsonl"),
+    }
+    return {**config, **resume}, ckpt
 
 
 def is_new_run(config: dict[str, Any]) -> bool:
