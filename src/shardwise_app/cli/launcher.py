@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .failures import EXIT_NO_RETRY, launcher_message, what_failed
-from .main import EXIT_USAGE, LAUNCH_ID_ENV, Launch, UsageError, usable_cpus
+from .main import EXIT_USAGE, LAUNCH_ID_ENV, Launch, UsageError, raise_if_interrupted, usable_cpus
 from .signals import STOP_SIGNALS
 
 # The process group's timeout: a worker that waits this long for a peer in a
@@ -102,6 +102,7 @@ def launch(
         for k, v in worker_args.items()
         if v is not None and v is not False
     ]
+    raise_if_interrupted()
     signals = _Signals()
     try:
         for attempt in range(max_restarts + 1):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +45,32 @@ def main(argv: list[str] | None = None) -> int:
     # KeyboardInterrupt inside that import: one line, not its traceback.
     # Nothing is written before the run folder's lock is taken, and a folder
     # holding only the lock is reused as new.
+    if not in_worker() and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("shardwise: interrupted", file=sys.stderr)
         return 130
+
+
+_interrupted: list[int] = []
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    _interrupted.append(signum)
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """Raise the ``KeyboardInterrupt`` of a Ctrl-C that some import swallowed.
+
+    Part of torch's import catches it (a Ctrl-C about half a second into
+    ``import torch`` is lost, the import goes on): so the launcher asks
+    again before it starts any worker.
+    """
+    if _interrupted:
+        raise KeyboardInterrupt
 
 
 def _main(argv: list[str] | None) -> int:
