@@ -1,8 +1,8 @@
 """``shardwise train``: train a small GPT, or fine-tune a transformers model, fully sharded.
 
 Started by a person, this checks the flags, prepares the run folder and starts
-the workers through ``torch.distributed.run``; started as a worker (by us or
-by ``torchrun`` directly) it trains. The worker half reads top to bottom:
+the workers (``launcher.py``, which restarts them with ``--max-restarts``);
+started as a worker (by us or by ``torchrun`` directly) it trains. The worker half reads top to bottom:
 process group, run config, model, data, optimizer, resume, the loop, the end.
 The flags and their checks are ``train_config.py``'s; what is particular to
 ``--hf PATH`` (a model from disk, LoRA, the export) lives in ``finetune.py``.
