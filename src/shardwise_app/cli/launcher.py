@@ -111,10 +111,10 @@ def launch(
             first = signals.received[0] if signals.received else None
             if ended.forced:
                 name = signal.Signals(signals.received[-1]).name
-                kept = f"; {then()}" if then else ""
+                kept = f", this stop saved nothing; {then()}" if then else ""
                 print(
                     f"shardwise {command}: stopped at once by a second {name}: every worker was "
-                    f"killed, this stop saved nothing{kept}",
+                    f"killed{kept}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -175,9 +175,9 @@ class _Ended:
         )
 
 
-def _stopped_by(code: int, signum: int) -> bool:
+def _stopped_by(code: int, signum: int | None) -> bool:
     """A clean stop, a worker still starting that ended on the signal, or one it killed."""
-    return code in (0, 128 + signum, -signum)
+    return code == 0 or (signum is not None and code in (128 + signum, -signum))
 
 
 class _Workers:
@@ -225,7 +225,7 @@ class _Workers:
             codes = {r: p.poll() for r, p in self.procs.items()}
             if all(c is not None for c in codes.values()):
                 return _Ended(self._codes(), [])
-            first = signals.received[0] if signals.received else 0
+            first = signals.received[0] if signals.received else None
             if failed_at is None and any(
                 c is not None and not _stopped_by(c, first) for c in codes.values()
             ):

@@ -46,7 +46,7 @@ from .run_folder import (
     remove_unfinished_saves,
 )
 from .signals import STOP_SIGNALS, StopRequest, stop_when_orphaned
-from .train_config import build_parser, for_restart, is_new_run, resolve
+from .train_config import build_parser, for_restart, is_new_run, newest_saved, resolve
 
 # How our launcher hands the resolved config to its workers (see main()).
 CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
             {"out": out, "timeout": args.timeout},
             where,
             on_signal=on_signal,
-            then=lambda: kept(for_restart(config, out)[1]),
+            then=lambda: kept(newest_saved(out)),
             max_restarts=args.max_restarts,
             on_restart=on_restart,
         )

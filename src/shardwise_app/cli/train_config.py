@@ -22,7 +22,7 @@ from typing import Any
 from .finetune import DEFAULTS as FINETUNE_DEFAULTS
 from .launcher import add_fault_arguments
 from .main import UsageError, add_launch_arguments
-from .run_folder import find_checkpoint, holds_only_the_lock
+from .run_folder import find_checkpoint, holds_only_the_lock, is_checkpoint
 
 # Flags that describe the training itself. With --resume, each one not given
 # on the command line is taken from the resumed run, so a bare
@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
 # How our launcher hands the resolved config to its workers (see main()).
 CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
 
+_STEP = re.compile(r"step_(\d+)")  # a checkpoint folder's name
 # Smaller models take larger steps; 2e-3 makes the 1B model spike early on.
 PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "base": 6e-4, "medium": 3e-4, "large": 1.5e-4}
 # The numeric flags, by argparse group: (flag, type, help). Their defaults are
@@ -288,6 +289,13 @@ def for_restart(config: dict[str, Any], out: Path) -> tuple[dict[str, Any], Path
     return {**config, **resume}, ckpt
 
 
+def newest_saved(out: Path) -> Path | None:
+    """The newest complete checkpoint in ``out``, for a message: not verified, which
+    can take minutes for a large one (``--resume`` verifies it)."""
+    complete = [c for c in (out / "checkpoints").glob("step_*") if is_checkpoint(c)]
+    return max((c for c in complete if _STEP.fullmatch(c.name)), key=_step_of, default=None)
+
+
 def is_new_run(config: dict[str, Any]) -> bool:
     """Whether ``--out`` is a new folder, not the resumed run's own."""
     resumed = config["resumed_metrics"]
@@ -295,5 +303,5 @@ def is_new_run(config: dict[str, Any]) -> bool:
 
 
 def _step_of(ckpt: Path) -> int:
-    m = re.fullmatch(r"step_(\d+)", ckpt.name)
+    m = _STEP.fullmatch(ckpt.name)
     return int(m.group(1)) if m else 0
