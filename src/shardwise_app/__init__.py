@@ -4,11 +4,13 @@ The library (``import shardwise``) needs torch alone and imports nothing from
 here; this package is what ``pip install 'shardwise[cli]'`` adds, with rich
 (progress) and matplotlib (plots):
 
-- ``cli/``: the command line. ``main.py`` is the entry (commands, launching
-  workers through torchrun, joining the process group), ``worker.py`` the
+- ``cli/``: the command line. ``main.py`` is the entry (commands, where
+  workers run, joining the process group), ``launcher.py`` starts and watches
+  the workers (signals, restarts, a hung worker), ``worker.py`` the
   module every worker process starts in, ``signals.py`` how a worker stops,
   ``failures.py`` and ``run_folder.py`` what a run leaves on disk, and one
-  module per command: ``train.py`` (with ``finetune.py`` for ``--hf``),
+  module per command: ``train.py`` (its flags and their checks in
+  ``train_config.py``, with ``finetune.py`` for ``--hf``),
   ``sample.py``, ``export.py``; ``report.py`` is a training run's progress,
   metrics and plots.
 - ``bench/``: ``shardwise bench``, the bare model, torch's FSDP2 and shardwise

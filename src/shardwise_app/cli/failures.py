@@ -10,7 +10,8 @@ connection to it, and the launcher. Instead exactly one of them speaks:
 - a rank that merely lost a peer stays quiet (``EXIT_PEER_LOST``): the
   peer's story is the one to tell;
 - the launcher speaks only when no worker could: a worker killed by a
-  signal (the OOM killer), or workers that all lost each other.
+  signal (the OOM killer), one that stopped responding, or workers that
+  all lost each other; and it says what to do next.
 
 ``CheckpointException`` (DCP) derives from ``BaseException``, not
 ``Exception``: handlers here catch ``BaseException`` and let only
@@ -27,6 +28,8 @@ from pathlib import Path
 
 EXIT_REPORTED = 3  # a worker printed the one line that explains the failure
 EXIT_PEER_LOST = 4  # a worker lost a peer and said nothing
+EXIT_PEER_TIMEOUT = 5  # a worker waited --timeout for a peer that did not answer, and said nothing
+EXIT_NO_RETRY = 6  # a worker said why the run cannot go on; a restart would end alike
 
 _PEER_LOST = (
     "connection closed by peer",
@@ -72,10 +75,17 @@ def peer_lost(e: BaseException) -> bool:
     return any(s in str(e).lower() for s in _PEER_LOST)
 
 
+def peer_timeout(e: BaseException) -> bool:
+    """A collective that waited the process group's timeout for a peer (gloo's words)."""
+    return "timed out waiting" in str(e).lower()
+
+
 def report_worker_failure(command: str, e: BaseException, rank: int) -> int:
     """Print the one line for ``e`` if this rank is the one to tell it; return the exit code."""
     if isinstance(e, RunFailure):
         message, everyone = str(e), True
+    elif peer_timeout(e):
+        return EXIT_PEER_TIMEOUT
     elif peer_lost(e):
         return EXIT_PEER_LOST
     else:
@@ -86,7 +96,7 @@ def report_worker_failure(command: str, e: BaseException, rank: int) -> int:
     if rank == 0 or not everyone:
         where = "" if everyone else f"rank {rank}: "
         print(f"shardwise {command}: error: {where}{message}", file=sys.stderr, flush=True)
-    return EXIT_REPORTED
+    return EXIT_NO_RETRY if isinstance(e, RunFailure) else EXIT_REPORTED
 
 
 def first_line(e: BaseException) -> str:
@@ -108,7 +118,7 @@ def save_failure(e: BaseException, out: Path, need: int) -> str:
     if no_space(e) or free < need:
         return (
             f"no space left on device ({free / 2**20:.1f} MiB free in {out}, a checkpoint "
-            f"takes about {need / 2**20:.1f} MiB)"
+            f"takes about {need / 2**20:.1f} MiB: free that much there, then resume)"
         )
     return first_line(e)
 
@@ -130,30 +140,58 @@ def diverged(what: str, value: float, step: int, last_good: Path | None) -> RunF
     )
 
 
-def launcher_message(command: str, failures: dict[int, int]) -> str | None:
-    """The launcher's line for workers that ended with ``failures`` (rank -> exit code).
-
-    ``None`` when a worker already said what happened.
-    """
-    if EXIT_REPORTED in failures.values():
-        return None
-    # Once one worker fails, the launcher SIGTERMs the rest: the other
-    # signals are the cause, SIGTERM more likely the consequence.
-    killed = sorted((c == -signal.SIGTERM, r, c) for r, c in failures.items() if c < 0)
+def what_failed(failures: dict[int, int], unresponsive: list[int]) -> str:
+    """Which worker ended the run, and how, from ``failures`` (rank -> exit code) and the
+    ranks the launcher found still running after the others had ended (and killed)."""
+    # Once one worker fails, the others lose it, or are stopped by the
+    # launcher: a signal other than ours is the cause.
+    killed = sorted(
+        (c == -signal.SIGTERM, r, c) for r, c in failures.items() if c < 0 and r not in unresponsive
+    )
     if killed:
         _, rank, code = killed[0]
-        name = _signal_name(-code)
-        hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+        return f"worker rank {rank} was killed by {_signal_name(-code)}"
+    if unresponsive:
         return (
-            f"shardwise {command}: worker rank {rank} was killed by {name}{hint}; "
-            "the other workers stopped with it"
+            f"worker rank {min(unresponsive)} stopped responding (the others waited --timeout "
+            "for it)"
         )
-    if failures and all(c == EXIT_PEER_LOST for c in failures.values()):
-        return f"shardwise {command}: the workers lost contact with each other (network?)"
-    rank, code = min(failures.items())
-    return (
-        f"shardwise {command}: worker rank {rank} failed with exit code {code}; its error is above"
-    )
+    if failures and all(c in (EXIT_PEER_LOST, EXIT_PEER_TIMEOUT) for c in failures.values()):
+        return "the workers lost contact with each other"
+    rank, code = min((r, c) for r, c in failures.items() if c != 0)
+    return f"worker rank {rank} failed with exit code {code}"
+
+
+def launcher_message(
+    command: str, failures: dict[int, int], unresponsive: list[int], then: str | None = None
+) -> str | None:
+    """The launcher's line for workers that ended with ``failures`` (rank -> exit code).
+
+    ``None`` when a worker already said what happened. ``then`` is what the
+    user has and can do next (a train run: the checkpoint to resume from).
+    """
+    if {EXIT_REPORTED, EXIT_NO_RETRY} & set(failures.values()):
+        return None
+    what = what_failed(failures, unresponsive)
+    then = then or f"run shardwise {command} again"
+    if what.endswith("SIGKILL"):
+        # The kernel's OOM killer is the usual sender, and says so in its log.
+        return (
+            f"shardwise {command}: {what} (out of memory? `dmesg` shows the kernel's "
+            f"out-of-memory kills; use less memory per process or fewer processes); "
+            f"the other workers stopped with it; {then}"
+        )
+    if "was killed by" in what:
+        return f"shardwise {command}: {what}; the other workers stopped with it; {then}"
+    if unresponsive:
+        return (
+            f"shardwise {command}: {what}: it was killed and the job stopped; {then}; if this "
+            "repeats, check that machine (a stuck GPU, a dead link), or raise --timeout "
+            "if a step or a save really takes that long"
+        )
+    if what.startswith("the workers lost"):
+        return f"shardwise {command}: {what} (network?); {then}"
+    return f"shardwise {command}: {what}; its error is above"
 
 
 def _signal_name(signum: int) -> str:

@@ -1,17 +1,18 @@
 """``shardwise``: the console entry, and what its subcommands share.
 
 Each subcommand module has ``main(argv) -> int``. Shared here: the bad-input
-error (one line on stderr, exit code 2), starting workers through torch's
-elastic launcher, and joining the process group inside a worker.
+error (one line on stderr, exit code 2), where workers run (``Launch``; the
+launcher that starts and watches them is ``launcher.py``), and joining the
+process group inside a worker.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 import os
+import signal
 import sys
-import uuid
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,39 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C while Python imports torch (the first seconds) raises
+    # KeyboardInterrupt inside that import: one line, not its traceback.
+    # Nothing is written before the run folder's lock is taken, and a folder
+    # holding only the lock is reused as new.
+    if not in_worker() and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupt)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("shardwise: interrupted", file=sys.stderr)
+        return 130
+
+
+_interrupted: list[int] = []
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    _interrupted.append(signum)
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """Raise the ``KeyboardInterrupt`` of a Ctrl-C that some import swallowed.
+
+    Part of torch's import catches it (a Ctrl-C about half a second into
+    ``import torch`` is lost, the import goes on): so the launcher asks
+    again before it starts any worker.
+    """
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+def _main(argv: list[str] | None) -> int:
     if argv is None:  # the console script: a process of its own
         from .worker import keep_going_without_stdout
 
@@ -68,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    module = importlib.import_module(COMMANDS[command][0])
     try:
+        module = importlib.import_module(COMMANDS[command][0])
         return int(module.main(argv[1:]) or 0)
     except UsageError as e:
         print(f"shardwise {command}: error: {e}", file=sys.stderr)
@@ -177,70 +211,10 @@ def launch_from_args(args: Any) -> Launch:
 def launch(
     command: str, worker_args: dict[str, Any], where: Launch, on_signal: Callable[[str, int], int]
 ) -> int:
-    """Run ``shardwise COMMAND --flag=value ...`` on every rank through ``torch.distributed.run``.
+    """Start this node's workers and watch them to the end (``launcher.launch``)."""
+    from .launcher import launch as start_and_watch
 
-    The worker flags are passed as ``--flag=value``: the launcher's own parser
-    scans them too, and would take a bare ``--nproc`` or ``--st`` for an
-    abbreviation of one of its options. A ``True`` value passes a bare switch,
-    and ``False`` or ``None`` none.
-
-    On Ctrl-C, SIGTERM or SIGHUP the launcher passes the signal on to every worker and
-    waits for them; ``on_signal(launch_id, signum)`` then decides the exit code from
-    what the workers left behind.
-    """
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from .failures import launcher_message
-
-    launch_id = uuid.uuid4().hex
-    os.environ[LAUNCH_ID_ENV] = launch_id
-    # Workers size their own thread pools; setting it here also keeps the
-    # launcher from printing its OMP_NUM_THREADS banner.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // where.nproc)))
-    # A worker stopping on a signal saves a checkpoint first: give it time.
-    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
-    # The agent narrates every start, signal and failure; our workers and
-    # launcher_message() say what matters, in one line.
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    flags = [
-        "--nproc-per-node",
-        str(where.nproc),
-        "--nnodes",
-        str(where.nnodes),
-        "--max-restarts",
-        "0",
-    ]
-    if where.nnodes == 1 and where.rdzv_endpoint is None:
-        flags.append("--standalone")
-    else:
-        flags += [
-            "--node-rank",
-            str(where.node_rank or 0),
-            "--rdzv-endpoint",
-            str(where.rdzv_endpoint),
-        ]
-    try:
-        worker_argv = [
-            f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
-            for k, v in worker_args.items()
-            if v is not None and v is not False
-        ]
-        # Not ``--module shardwise``, whose package import loads torch first: see worker.py.
-        entry = ["--module", "shardwise_app.cli.worker"]
-        torchrun.run(torchrun.parse_args([*flags, *entry, command, *worker_argv]))
-    except SignalException as e:
-        return on_signal(launch_id, int(e.sigval))
-    except ChildFailedError as e:
-        codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        message = launcher_message(command, codes)
-        if message:
-            print(message, file=sys.stderr)
-        return EXIT_USAGE if EXIT_USAGE in codes.values() else 1
-    return 0
+    return start_and_watch(command, worker_args, where, on_signal)
 
 
 # ---- inside a worker ------------------------------------------------------------------------
@@ -258,8 +232,14 @@ class Worker:
         return self.rank == 0
 
 
-def init_worker() -> Worker:
-    """Join the process group: NCCL with one GPU per rank if there are GPUs, else gloo."""
+def init_worker(timeout_s: float | None = None) -> Worker:
+    """Join the process group: NCCL with one GPU per rank if there are GPUs, else gloo.
+
+    ``timeout_s``: how long a collective waits for a peer before it fails
+    (default: the backend's).
+    """
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
@@ -269,13 +249,14 @@ def init_worker() -> Worker:
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, usable_cpus() // local_world))
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     joined()
     return Worker(rank, world, local_rank, device)
 

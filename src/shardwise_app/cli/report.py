@@ -121,7 +121,9 @@ class Reporter:
             unit=self.unit[:-1],
         )
         new = [r for r in self.rows if r["step"] > self.start_step]
-        last = new[-10:] or self.rows[-1:]
+        # The run's last ten steps, resumed ones included: a resumed or restarted
+        # run sums up as the uninterrupted one would. Speed and memory are this launch's.
+        last = self.rows[-10:]
         vals = [r["val_loss"] for r in self.rows if "val_loss" in r]
         steady = new[1:] or new  # the first step pays for warm-up work
         summary = {

@@ -1,11 +1,11 @@
 """``shardwise train``: train a small GPT, or fine-tune a transformers model, fully sharded.
 
 Started by a person, this checks the flags, prepares the run folder and starts
-the workers through ``torch.distributed.run``; started as a worker (by us or
-by ``torchrun`` directly) it trains. The worker half reads top to bottom:
+the workers (``launcher.py``, which restarts them with ``--max-restarts``);
+started as a worker (by us or by ``torchrun`` directly) it trains. The worker half reads top to bottom:
 process group, run config, model, data, optimizer, resume, the loop, the end.
-What is particular to ``--hf PATH`` (a model from disk, LoRA, the export)
-lives in ``finetune.py``.
+The flags and their checks are ``train_config.py``'s; what is particular to
+``--hf PATH`` (a model from disk, LoRA, the export) lives in ``finetune.py``.
 
 Every run folder holds ``config.json``, ``metrics.jsonl`` (one row per step),
 ``loss.png``, ``throughput.png``, ``summary.json`` and ``checkpoints/step_N``;
@@ -19,12 +19,10 @@ import contextlib
 import json
 import math
 import os
-import re
 import resource
 import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,143 +32,26 @@ from .failures import (
     kept,
     passes_through,
     peer_lost,
+    peer_timeout,
     report_worker_failure,
     save_failure,
 )
-from .finetune import DEFAULTS as FINETUNE_DEFAULTS
-from .main import (
-    LAUNCH_ID_ENV,
-    UsageError,
-    Worker,
-    add_launch_arguments,
-    from_rank0,
-    in_worker,
-    init_worker,
-    launch,
-    launch_from_args,
-)
-from .report import Reporter, read_json
+from .launcher import check_fault_arguments, launch
+from .main import LAUNCH_ID_ENV, Worker, from_rank0, in_worker, init_worker, launch_from_args
+from .report import Reporter, read_json, read_jsonl
 from .run_folder import (
     commit,
     create_and_lock,
-    find_checkpoint,
-    holds_only_the_lock,
     remove_if_unused,
     remove_unfinished_saves,
 )
 from .signals import STOP_SIGNALS, StopRequest, stop_when_orphaned
+from .train_config import build_parser, for_restart, is_new_run, newest_saved, resolve
 
-# Flags that describe the training itself. With --resume, each one not given
-# on the command line is taken from the resumed run, so a bare
-# `shardwise train --resume DIR` continues exactly where the run stopped.
-DEFAULTS: dict[str, Any] = {
-    "model": "tiny",
-    "steps": 200,
-    "batch_size": 16,  # sequences per optimizer step, over all ranks and microbatches
-    "seq_len": None,  # the model size's own
-    "lr": None,  # the model size's, from PEAK_LR
-    "warmup": None,  # steps // 10, at most 100
-    "grad_clip": 1.0,
-    "grad_accum": 1,
-    "hsdp": 1,
-    "activation_checkpointing": "none",
-    "mixed_precision": "none",
-    "data": None,  # the Python standard library's sources
-    "seed": 1337,
-    "eval_every": 20,
-    "eval_batches": 4,
-    "save_every": 0,
-    "compile": False,
-    **FINETUNE_DEFAULTS,
-}
 # How our launcher hands the resolved config to its workers (see main()).
 CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
 # Keeps the run folder's lock alive in a worker that took it (torchrun direct).
 _held: list[Any] = []
-# Smaller models take larger steps; 2e-3 makes the 1B model spike early on.
-PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "base": 6e-4, "medium": 3e-4, "large": 1.5e-4}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from ..models.gpt import CHECKPOINTING, SIZES
-    from . import finetune
-
-    p = argparse.ArgumentParser(
-        prog="shardwise train",
-        description="Train a small byte-level GPT, or fine-tune a transformers model from "
-        "disk (--hf), with every block fully sharded.",
-        epilog="With --resume, every training flag not given is taken from the resumed run.",
-    )
-    t = p.add_argument_group("training")
-    t.add_argument("--model", choices=list(SIZES), help="model size (default: tiny)")
-    t.add_argument("--steps", type=int, help="optimizer steps in all (default: 200)")
-    t.add_argument(
-        "--batch-size",
-        type=int,
-        help="sequences per optimizer step, over all processes (default: 16)",
-    )
-    t.add_argument("--seq-len", type=int, help="tokens (bytes) per sequence (default: the model's)")
-    t.add_argument(
-        "--lr",
-        type=float,
-        help="peak learning rate of AdamW (default: tiny 2e-3, small 1e-3, base 6e-4, medium 3e-4, large 1.5e-4)",
-    )
-    t.add_argument(
-        "--warmup", type=int, help="linear warmup steps (default: steps/10, at most 100)"
-    )
-    t.add_argument("--grad-clip", type=float, help="max gradient norm, 0 for none (default: 1.0)")
-    t.add_argument("--grad-accum", type=int, help="microbatches per optimizer step (default: 1)")
-    t.add_argument(
-        "--activation-checkpointing",
-        choices=CHECKPOINTING,
-        help="recompute block activations in backward (default: none)",
-    )
-    t.add_argument(
-        "--mixed-precision",
-        choices=["none", "bf16"],
-        help="bf16: compute in bfloat16, reduce gradients in float32 (default: none)",
-    )
-    t.add_argument(
-        "--hsdp",
-        type=int,
-        help="replicate degree R: shard within groups of "
-        "world/R processes, replicate across R groups (default: 1, plain FSDP)",
-    )
-    t.add_argument("--seed", type=int, help="seed of the initial weights and the data order")
-    t.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compile each sharded block (block.compile()): inductor on CUDA, aot_eager on "
-        "CPU (default: off)",
-    )
-    finetune.add_arguments(p)
-    d = p.add_argument_group("data and output")
-    d.add_argument(
-        "--data",
-        metavar="PATH",
-        help="a text file or a folder of text files "
-        "(default: the Python standard library's sources)",
-    )
-    d.add_argument("--eval-every", type=int, help="validate every N steps (default: 20)")
-    d.add_argument("--eval-batches", type=int, help="validation size in batches (default: 4)")
-    d.add_argument(
-        "--save-every",
-        type=int,
-        help="also checkpoint every N steps (default: 0, only at the end or when stopped)",
-    )
-    d.add_argument(
-        "--out",
-        metavar="DIR",
-        help="run folder (default: runs/<timestamp>; with --resume, the resumed run's folder)",
-    )
-    d.add_argument(
-        "--resume",
-        metavar="DIR",
-        help="continue from a run folder (its latest checkpoint) or a checkpoint folder",
-    )
-    add_launch_arguments(p)
-    return p
 
 
 def main(argv: list[str]) -> int:
@@ -178,9 +59,10 @@ def main(argv: list[str]) -> int:
     if in_worker():
         return train(args)
     where = launch_from_args(args)
+    check_fault_arguments(args)
     config = resolve(args, world=where.world)
     out = Path(config["out"])
-    _lock, created = create_and_lock(out, "--out", new_run=_is_new_run(config))
+    _lock, created = create_and_lock(out, "--out", new_run=is_new_run(config))
     try:
         for name in remove_unfinished_saves(out):
             print(f"removed checkpoints/{name}: a save that never finished", file=sys.stderr)
@@ -197,138 +79,27 @@ def main(argv: list[str]) -> int:
                 print(_stopped_early(signum, config), file=sys.stderr)
             return 128 + signum
 
-        return launch("train", {"out": out}, where, on_signal=on_signal)
+        def on_restart(what: str) -> str:
+            remove_unfinished_saves(out)  # the failed launch's save, if it was saving
+            rows = read_jsonl(out / "metrics.jsonl")
+            started = read_json(out / "config.json").get("launch_id") == os.environ[LAUNCH_ID_ENV]
+            at = f"at step {rows[-1]['step'] + 1 if rows else 1}" if started else "while starting"
+            restart, ckpt = for_restart(config, out)
+            os.environ[CONFIG_ENV] = json.dumps(restart)
+            start = ckpt.relative_to(out) if ckpt else "the start (nothing was saved yet)"
+            return f"shardwise train: {what} {at}; restarting every worker from {start}"
+
+        return launch(
+            "train",
+            {"out": out, "timeout": args.timeout},
+            where,
+            on_signal=on_signal,
+            then=lambda: kept(newest_saved(out)),
+            max_restarts=args.max_restarts,
+            on_restart=on_restart,
+        )
     finally:
         remove_if_unused(out, created)
-
-
-# ---- the run's config: flags, resumed run, checks -------------------------------------------
-
-
-def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
-    """Every setting of the run, checked. Raises ``UsageError``; writes nothing."""
-    import torch
-
-    from shardwise import __version__
-
-    from ..data import DataError, load_corpus
-    from ..models.gpt import SIZES
-    from . import finetune
-
-    given = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None}
-    resumed: dict[str, Any] = {}
-    ckpt: Path | None = None
-    if args.resume:
-        ckpt, resumed = find_checkpoint(args.resume, "--resume")
-    ckpt_step = _step_of(ckpt) if ckpt else 0
-    if ckpt:
-        for k in ("model", "seq_len"):
-            if k in given and given[k] != resumed.get(k):
-                raise UsageError(
-                    f"--resume {args.resume}: the checkpoint is of model {resumed.get('model')!r} "
-                    f"with seq_len {resumed.get('seq_len')}; --{k.replace('_', '-')} {given[k]} "
-                    "does not match it"
-                )
-    c = {k: given.get(k, resumed.get(k, v)) for k, v in DEFAULTS.items()}
-    if ckpt:  # (resolve runs once: in our launcher, or on rank 0 under torchrun)
-        for k in ("steps", "batch_size", "grad_accum", "lr", "warmup"):
-            if k in given and resumed.get(k) is not None and given[k] != resumed[k]:
-                # Allowed (a longer run, say), but the curve is no longer the
-                # uninterrupted run's: say so rather than change it quietly.
-                print(
-                    f"note: --{k.replace('_', '-')} {given[k]} differs from the resumed run's "
-                    f"{resumed[k]}: from step {ckpt_step} on the run follows {given[k]}"
-                    + (" (the learning-rate schedule too)" if k in ("steps", "warmup") else ""),
-                    file=sys.stderr,
-                )
-    model_config = finetune.resolve(c, given, resumed, args.resume)
-    if model_config is None:  # the built-in GPT
-        model_cfg = SIZES[c["model"]].with_seq_len(c["seq_len"])
-        c["seq_len"] = model_cfg.seq_len
-        model_config = asdict(model_cfg)
-        if resumed and resumed.get("model_config") != model_config:
-            raise UsageError(
-                f"--resume {args.resume}: the checkpoint's model shape "
-                f"{resumed.get('model_config')} differs from {c['model']!r} here"
-            )
-    if c["lr"] is None:
-        c["lr"] = PEAK_LR[c["model"]]
-    if c["warmup"] is None:
-        c["warmup"] = min(100, c["steps"] // 10)
-    for k in ("steps", "batch_size", "seq_len", "grad_accum", "hsdp", "eval_every", "eval_batches"):
-        if c[k] < 1:
-            raise UsageError(f"--{k.replace('_', '-')} must be at least 1, got {c[k]}")
-    for k in ("warmup", "save_every"):
-        if c[k] < 0:
-            raise UsageError(f"--{k.replace('_', '-')} must be at least 0, got {c[k]}")
-    # A negative clip reverses the gradients and nan or inf poison every
-    # weight: each trains quietly into garbage, so refuse them here.
-    if not (math.isfinite(c["lr"]) and c["lr"] > 0):
-        raise UsageError(f"--lr must be a positive number, got {c['lr']}")
-    if not (math.isfinite(c["grad_clip"]) and c["grad_clip"] >= 0):
-        raise UsageError(
-            f"--grad-clip must be a number at least 0 (0: no clipping), got {c['grad_clip']}"
-        )
-    if world % c["hsdp"]:
-        raise UsageError(f"--hsdp {c['hsdp']} does not divide the {world} processes")
-    if c["batch_size"] % (world * c["grad_accum"]):
-        raise UsageError(
-            f"--batch-size {c['batch_size']} is not divisible by {world} processes "
-            f"x --grad-accum {c['grad_accum']}"
-        )
-    if ckpt_step >= c["steps"]:
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint is at step {ckpt_step}, "
-            f"--steps is {c['steps']}: nothing left to do (raise --steps)"
-        )
-    try:
-        corpus = load_corpus(c["data"], min_split_bytes=c["seq_len"] + 1)
-    except DataError as e:
-        raise UsageError(str(e)) from None
-    if c["data"] is not None:
-        c["data"] = str(Path(c["data"]).resolve())
-
-    run = ckpt.parent.parent if ckpt else None
-    out = _out_folder(args, resumed_run=run)
-    return {
-        **c,
-        "model_config": model_config,
-        "world_size": world,
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "out": str(out),
-        "resume": str(ckpt.resolve()) if ckpt else None,
-        "resume_step": ckpt_step,
-        "resumed_metrics": str(run.resolve() / "metrics.jsonl") if run else None,
-        "corpus": corpus.describe(),
-        "torch_version": torch.__version__,
-        "shardwise_version": __version__,
-    }
-
-
-def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
-    if args.out is None and resumed_run is not None:
-        return resumed_run.resolve()
-    if args.out is None:
-        base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        out, n = base, 1
-        while out.exists():
-            out, n = base.with_name(f"{base.name}-{n}"), n + 1
-        return out.resolve()
-    out = Path(args.out).resolve()
-    continuing = resumed_run is not None and out == resumed_run.resolve()
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out}: exists and is not a folder")
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"--out {args.out}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {args.out}: cannot write in {existing} (permission denied)")
-    if out.is_dir() and not holds_only_the_lock(out) and not continuing:
-        raise UsageError(
-            f"--out {args.out}: the folder already holds files; choose a new "
-            "one (or --resume the run in it)"
-        )
-    return out
 
 
 # ---- the worker -----------------------------------------------------------------------------
@@ -339,7 +110,8 @@ def train(args: argparse.Namespace) -> int:
     # joined, the entry module still ends the worker at once (cli/worker.py).
     stop = StopRequest()
     stop_when_orphaned()
-    w = init_worker()
+    check_fault_arguments(args)
+    w = init_worker(timeout_s=args.timeout)
     try:
         return _train(args, w, stop)
     except BaseException as e:  # one line, said by the one rank that should
@@ -366,7 +138,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
         def resolve_and_lock() -> dict[str, Any]:
             c = resolve(args, world=w.world)
             out = Path(c["out"])
-            _held.append(create_and_lock(out, "--out", new_run=_is_new_run(c))[0])
+            _held.append(create_and_lock(out, "--out", new_run=is_new_run(c))[0])
             remove_unfinished_saves(out)
             return c
 
@@ -469,7 +241,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
         try:
             checkpoint.save(path, model, optimizer, extra=extra, trainable_only=trainable_only)
         except BaseException as e:
-            if passes_through(e) or peer_lost(e):
+            if passes_through(e) or peer_lost(e) or peer_timeout(e):
                 raise
             # Every rank gets a failed save (DCP shares the outcome): one line.
             # Measured before the half-written folder goes: a full disk shows.
@@ -577,12 +349,6 @@ def _stopped_early(signum: int, config: dict[str, Any]) -> str:
     )
 
 
-def _is_new_run(config: dict[str, Any]) -> bool:
-    """Whether ``--out`` is a new folder, not the resumed run's own."""
-    resumed = config["resumed_metrics"]
-    return resumed is None or Path(resumed).parent != Path(config["out"])
-
-
 def _clip(model: Any, max_norm: float) -> float:
     """Clip to ``max_norm`` (0: no clipping) and return the total gradient norm."""
     from shardwise import clip_grad_norm_  # one all-reduce for all shards
@@ -597,8 +363,3 @@ def _peak_memory(w: Worker) -> int:
     if w.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(w.device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _step_of(ckpt: Path) -> int:
-    m = re.fullmatch(r"step_(\d+)", ckpt.name)
-    return int(m.group(1)) if m else 0

@@ -1,0 +1,265 @@
+"""Starting the workers of one node and watching them until they end: the launcher's side.
+
+Our launcher starts one process per rank itself (the environment of
+``torchrun``'s static rendezvous: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+...), rather than through ``torch.distributed.run``, because what matters
+when something goes wrong is decided here, in a loop that polls the workers
+and the signals every tenth of a second:
+
+- a stop signal (Ctrl-C, SIGTERM, SIGHUP) is passed on to every worker, which
+  stops at its next step boundary and saves; a second one kills every worker
+  at once (a save in progress is left as a ``.partial`` folder, removed at
+  the next start);
+- when a worker fails, the others get a few seconds to notice and end on
+  their own; any still running then is killed (a stopped or hung process
+  never ends by itself), and is the one that stopped responding;
+- with restarts left, a failure that a restart can mend (a killed worker, a
+  lost peer, a hang: not bad input, not a run that diverged or filled its
+  disk) starts every worker again, after the command has prepared the resume.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .failures import EXIT_NO_RETRY, launcher_message, what_failed
+from .main import EXIT_USAGE, LAUNCH_ID_ENV, Launch, UsageError, raise_if_interrupted, usable_cpus
+from .signals import STOP_SIGNALS
+
+# The process group's timeout: a worker that waits this long for a peer in a
+# collective gives up. The backends wait 10 (NCCL) or 30 (gloo) minutes.
+DEFAULT_TIMEOUT_S = 300
+TIMEOUT_ENV = "SHARDWISE_TIMEOUT_S"
+_GRACE_S = 5.0  # after a failure, for the other workers to end on their own
+_POLL_S = 0.1
+
+
+def add_fault_arguments(p: Any) -> None:
+    g = p.add_argument_group("faults")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="when a worker dies or hangs, restart every worker from the newest checkpoint, "
+        "up to N times (default: 0; steps since the last --save-every checkpoint are redone)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="end the job when a worker waits this long for another that does not answer "
+        f"(default: {DEFAULT_TIMEOUT_S})",
+    )
+
+
+def check_fault_arguments(args: Any) -> None:
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+
+
+def launch(
+    command: str,
+    worker_args: dict[str, Any],
+    where: Launch,
+    on_signal: Callable[[str, int], int],
+    *,
+    then: Callable[[], str] | None = None,
+    max_restarts: int = 0,
+    on_restart: Callable[[str], str] | None = None,
+) -> int:
+    """Run ``shardwise COMMAND --flag=value ...`` on every rank of this node; the exit code.
+
+    The worker flags are passed as ``--flag=value``; a ``True`` value passes a
+    bare switch, and ``False`` or ``None`` none.
+
+    On Ctrl-C, SIGTERM or SIGHUP every worker gets the signal and the
+    launcher waits for them; ``on_signal(launch_id, signum)`` then decides the
+    exit code from what they left behind. A second signal kills them.
+
+    ``then()`` says what the user has and can do after a failure (a train
+    run: the checkpoint to resume from). After a failure that a restart can
+    mend, with restarts left, ``on_restart(what_failed)`` prepares the resume
+    and gives the line to print; the workers then start again.
+    """
+    launch_id = uuid.uuid4().hex
+    os.environ[LAUNCH_ID_ENV] = launch_id
+    # Workers size their own thread pools; this is the default for anything else.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // where.nproc)))
+    argv = [
+        f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+        for k, v in worker_args.items()
+        if v is not None and v is not False
+    ]
+    raise_if_interrupted()
+    signals = _Signals()
+    try:
+        for attempt in range(max_restarts + 1):
+            workers = _Workers(command, argv, where, attempt)
+            ended = workers.watch(signals)
+            first = signals.received[0] if signals.received else None
+            if ended.forced:
+                name = signal.Signals(signals.received[-1]).name
+                kept = f", this stop saved nothing; {then()}" if then else ""
+                print(
+                    f"shardwise {command}: stopped at once by a second {name}: every worker was "
+                    f"killed{kept}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 128 + signals.received[-1]
+            if first is not None and not ended.failed_beyond(first):
+                return on_signal(launch_id, first)
+            if not ended.failed:
+                return 0
+            codes = ended.codes
+            restartable = not {EXIT_USAGE, EXIT_NO_RETRY} & set(codes.values())
+            if first is None and attempt < max_restarts and restartable and on_restart:
+                what = what_failed(codes, ended.unresponsive)
+                line = on_restart(what)
+                print(f"{line} (restart {attempt + 1} of {max_restarts})", file=sys.stderr)
+                continue
+            message = launcher_message(command, codes, ended.unresponsive, then() if then else None)
+            if message:
+                print(message, file=sys.stderr, flush=True)
+            if first is not None:
+                return on_signal(launch_id, first)
+            return EXIT_USAGE if EXIT_USAGE in codes.values() else 1
+        raise AssertionError("unreachable: the last attempt returns")
+    finally:
+        signals.restore()
+
+
+class _Signals:
+    """Stop signals, recorded by the handler and acted on by the polling loop."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._before = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+
+class _Ended:
+    def __init__(
+        self, codes: dict[int, int], unresponsive: list[int], forced: bool = False
+    ) -> None:
+        self.codes = codes  # rank -> exit code (negative: killed by that signal)
+        self.unresponsive = unresponsive  # ranks still running after a failure, killed by us
+        self.forced = forced  # killed by us on a second stop signal
+
+    @property
+    def failed(self) -> bool:
+        return any(c != 0 for c in self.codes.values()) or bool(self.unresponsive)
+
+    def failed_beyond(self, signum: int) -> bool:
+        """Whether a worker failed otherwise than by stopping on ``signum``."""
+        return bool(self.unresponsive) or any(
+            not _stopped_by(c, signum) for c in self.codes.values()
+        )
+
+
+def _stopped_by(code: int, signum: int | None) -> bool:
+    """A clean stop, a worker still starting that ended on the signal, or one it killed."""
+    return code == 0 or (signum is not None and code in (128 + signum, -signum))
+
+
+class _Workers:
+    """One start of this node's workers, as ``python -m shardwise_app.cli.worker COMMAND``.
+
+    That entry module sets up signals before torch is imported (worker.py).
+    Each worker shares the launcher's process group, so that a terminal's
+    Ctrl-C reaches it directly, as it reaches the launcher.
+    """
+
+    def __init__(self, command: str, argv: list[str], where: Launch, attempt: int) -> None:
+        if where.rdzv_endpoint:
+            host, _, port = where.rdzv_endpoint.rpartition(":")
+        else:
+            host, port = "127.0.0.1", str(_free_port())
+        node = where.node_rank or 0
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        for local in range(where.nproc):
+            rank = node * where.nproc + local
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(where.world),
+                "LOCAL_WORLD_SIZE": str(where.nproc),
+                "GROUP_RANK": str(node),
+                "MASTER_ADDR": host,
+                "MASTER_PORT": port,
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            }
+            cmd = [sys.executable, "-m", "shardwise_app.cli.worker", command, *argv]
+            self.procs[rank] = subprocess.Popen(cmd, env=env)
+
+    def watch(self, signals: _Signals) -> _Ended:
+        """Poll until every worker has ended, acting on signals and failures."""
+        seen, failed_at = 0, None
+        while True:
+            if len(signals.received) > seen:
+                if seen >= 1:  # the second: no more waiting for a save
+                    self._kill(list(self.procs))
+                    return _Ended(self._codes(), [], forced=True)
+                for sig in signals.received[seen:]:
+                    self._send(sig)
+                seen = len(signals.received)
+            codes = {r: p.poll() for r, p in self.procs.items()}
+            if all(c is not None for c in codes.values()):
+                return _Ended(self._codes(), [])
+            first = signals.received[0] if signals.received else None
+            if failed_at is None and any(
+                c is not None and not _stopped_by(c, first) for c in codes.values()
+            ):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
+                running = [r for r, c in codes.items() if c is None]
+                self._kill(running)
+                return _Ended(self._codes(), running)
+            time.sleep(_POLL_S)
+
+    def _codes(self) -> dict[int, int]:
+        return {r: int(p.returncode) for r, p in self.procs.items() if p.returncode is not None}
+
+    def _send(self, sig: int) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def _kill(self, ranks: list[int]) -> None:
+        """SIGKILL, which a stopped process cannot hold pending as it holds SIGTERM."""
+        for r in ranks:
+            if self.procs[r].poll() is None:
+                self.procs[r].kill()
+        for r in ranks:
+            try:
+                self.procs[r].wait(timeout=10)
+            except subprocess.TimeoutExpired:  # uninterruptible sleep: nothing more to do
+                pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
