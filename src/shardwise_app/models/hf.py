@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardwise.sharded_param import rows_per_rank
+
 from ..extras import first_missing
 
 EXTRA = ("transformers", "peft", "safetensors")
@@ -303,7 +305,7 @@ def _rows(p: torch.Tensor) -> tuple[int, int]:
     if placements[-1] != Shard(0) or any(pl != Replicate() for pl in placements[:-1]):
         raise NotImplementedError(f"loading a parameter placed {placements} (tensor parallel?)")
     world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    chunk = -(-p.shape[0] // world)  # torch.chunk's split, as fully_shard's
+    chunk = rows_per_rank(p.shape[0], world)
     start = min(rank * chunk, p.shape[0])
     return start, start + p.to_local().shape[0]
 
