@@ -139,3 +139,18 @@ def test_a_512_mb_corpus_trains_in_the_memory_of_a_1_mb_one(tmp_path: Path) -> N
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
+
+
+def test_a_failed_write_of_the_token_file_is_one_clear_error(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    _write_texts(tmp_path / "texts")
+
+    def full(cache: Path, *args: object) -> None:
+        (cache / (data.TOKENS + ".partial")).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data, "_stream_tokens", full)
+    with pytest.raises(data.DataError, match="No space left on device.*free space there"):
+        load_corpus(str(tmp_path / "texts"), cache=tmp_path / "c")
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == []  # no half file left

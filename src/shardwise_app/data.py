@@ -249,6 +249,20 @@ class _Sink:
 def _write_tokens(
     cache: Path, key: dict[str, Any], files: list[Path], cap: int | None, tokenizer: Any
 ) -> dict[str, Any]:
+    """``_stream_tokens``, with a failed write (a full disk) said in one line."""
+    try:
+        return _stream_tokens(cache, key, files, cap, tokenizer)
+    except OSError as e:
+        (cache / (TOKENS + ".partial")).unlink(missing_ok=True)
+        raise DataError(
+            f"--data: writing its tokens to {cache} failed ({e.strerror or e}); free space "
+            "there or choose another --out"
+        ) from None
+
+
+def _stream_tokens(
+    cache: Path, key: dict[str, Any], files: list[Path], cap: int | None, tokenizer: Any
+) -> dict[str, Any]:
     """Stream the files into ``cache/tokens.bin``: bytes as they are, or token ids.
 
     Memory stays bounded: bytes are copied in chunks; a tokenizer sees one
