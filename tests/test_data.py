@@ -147,6 +147,7 @@ def test_a_failed_write_of_the_token_file_is_one_clear_error(tmp_path: Path, mon
     _write_texts(tmp_path / "texts")
 
     def full(cache: Path, *args: object) -> None:
+        cache.mkdir()
         (cache / (data.TOKENS + ".partial")).write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
