@@ -152,7 +152,8 @@ def _can_mount_tmpfs() -> bool:
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="cannot mount a tmpfs (no user namespaces)")
 def test_full_disk(tmp_path: Path) -> None:
-    """Item 6: a real 14 MiB tmpfs holds one checkpoint, not two; then the user frees space.
+    """Item 6: a real 18 MiB tmpfs holds the tokenized corpus (4 MiB) and one checkpoint,
+    not two; then the user frees space.
 
     A mount namespace (unshare -rm) lets an unprivileged test mount it; the
     results are copied out before the namespace, and the tmpfs, go away.
@@ -162,7 +163,7 @@ def test_full_disk(tmp_path: Path) -> None:
     report.mkdir()
     train = f"{sys.executable} -m shardwise train --nproc 2"
     script = f"""
-        mount -t tmpfs -o size=14m none {disk} && cd {disk} || exit 99
+        mount -t tmpfs -o size=18m none {disk} && cd {disk} || exit 99
         {train} {" ".join(LONG[:-4])} --steps 4 --save-every 2 --out run >{report}/1.out 2>{report}/1.err
         echo $? >{report}/1.rc
         ls -a run/checkpoints >{report}/1.ls

@@ -362,6 +362,34 @@ def test_lora_resume_repeats_the_losses(lora_run: Path, folders) -> None:
     assert losses(copy, "val_loss") == losses(lora_run, "val_loss")
 
 
+@pytest.mark.timeout(120)
+def test_resume_refuses_base_weights_that_changed(full_run: Path, folders, tmp_path, capsys):
+    """The base model's weights changed (trained on elsewhere), its config.json did not:
+    one line, exit code 2, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    from shardwise_app.models.hf import weights_fingerprint
+
+    base, run = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(folders["llama"], base)
+    shutil.copytree(full_run, run)
+    cfg = json.loads((run / "config.json").read_text())
+    assert weights_fingerprint(base) == cfg["hf_weights"]  # a copy: the same weights
+    (run / "config.json").write_text(json.dumps({**cfg, "hf": str(base.resolve())}))
+    config_json = (base / "config.json").read_bytes()
+    weights = load_file(base / "model.safetensors")
+    save_file({k: v + 1e-3 for k, v in weights.items()}, base / "model.safetensors")
+    assert (base / "config.json").read_bytes() == config_json
+    before = {str(p): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, _, err = cli(["train", "--resume", str(run), "--nproc", "2"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (
+        f"the base weights in {base.resolve()} changed since the run started "
+        "(model.safetensors differs)" in err
+    )
+    assert {str(p): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 # ---- bad input: one line, exit code 2, nothing written ---------------------------------------
 
 

@@ -17,6 +17,9 @@ Why a helper at all, when ``dcp.save(model.state_dict())`` already works:
   disk. The previous checkpoint is moved aside to ``<path>.previous`` first and
   deleted last, so at every instant one complete checkpoint exists; ``load``
   falls back to ``<path>.previous`` in the one window where ``<path>`` is gone.
+- Damaged bytes are named, never loaded. Every file's length and CRC-32 are
+  recorded at save (``checkpoint_integrity.py``) and compared at load and by
+  ``verify(path)``; checkpoints saved without them still load, unverified.
 - Exact resume needs more than weights: the step, the data position (``extra``)
   and each rank's random number generator states (dropout masks).
 - Clear errors. DCP silently skips unexpected keys, silently casts dtypes and
@@ -54,14 +57,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from . import checkpoint_integrity as integrity
 from . import collectives
+from .checkpoint_integrity import EXTRA_FILE, DamagedCheckpoint, verify
 from .flat_shard import local_of
 from .fsdp_module import FSDPModule
 
 __all__ = ["DamagedCheckpoint", "full_state_dict", "load", "load_full_state_dict", "save", "verify"]
 
-EXTRA_FILE = "shardwise_extra.pt"
-_FORMAT = 1
+_FORMAT = 2  # 2: with shardwise_checksums.json
 
 
 # ---- ranks ------------------------------------------------------------------------------
@@ -162,9 +166,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG states, on rank 0 (an empty list elsewhere)."""
-    mine = _rng_state()
+def _gather(mine: Any) -> list[Any]:
+    """Every rank's ``mine``, on rank 0 (an empty list elsewhere)."""
     if _world() == 1:
         return [mine]
     return collectives.gather_objects(mine)
@@ -216,13 +219,15 @@ def _prepare(path: Path) -> None:
     partial.mkdir(parents=True)
 
 
-def _commit(path: Path, payload: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote: add ``extra``, then swap the new folder in."""
+def _commit(path: Path, payload: dict[str, Any], sums: integrity.Sums) -> None:
+    """Rank 0, after every rank wrote: add ``extra`` and the checksums, then swap the new
+    folder in. ``sums``: every rank's data files'."""
     partial, previous = _partial(path), _previous(path)
     with open(partial / EXTRA_FILE, "wb") as f:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
+    integrity.write(partial, {**sums, **integrity.sums_of(partial, [".metadata", EXTRA_FILE])})
     if path.exists():
         path.rename(previous)
     partial.rename(path)
@@ -272,15 +277,19 @@ def save(
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     _on_rank0("preparing the checkpoint folder", lambda: _prepare(path))
+    writer = integrity.ChecksummingWriter(_partial(path))
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=_partial(path), **_no_dist(dcp.save))
+        dcp.save(state, storage_writer=writer, **_no_dist(dcp.save))
+    # One gather for both: each rank's RNG states and the sums of the files it wrote.
+    ranks = _gather((_rng_state(), writer.sums))
     payload = {
         "format": _FORMAT,
         "world_size": _world(),
         "extra": extra,
-        "rng": _gather_rng_states(),
+        "rng": [rng for rng, _ in ranks],
     }
-    _on_rank0("committing the checkpoint", lambda: _commit(path, payload))
+    sums = {name: s for _, mine in ranks for name, s in mine.items()}
+    _on_rank0("committing the checkpoint", lambda: _commit(path, payload, sums))
 
 
 def load(
@@ -305,8 +314,14 @@ def load(
 
     ``trainable_only``: the checkpoint was saved with it; the frozen
     parameters and the buffers are left as they are.
+
+    Every file is compared with the checksums recorded at save first (the
+    ranks share the reading); a damaged one raises ``DamagedCheckpoint``
+    naming it, on every rank, and nothing is loaded. Checkpoints saved
+    without checksums load unverified.
     """
     path = _resolve(Path(path))
+    integrity.verify_shared(path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     model_sd = _model_state(model, trainable_only)
     prefix = _layout(metadata, model_sd)
@@ -337,46 +352,6 @@ def load(
     if restore_rng and rng:
         _set_rng_state(rng[_rank() % len(rng)])
     return payload.get("extra")
-
-
-class DamagedCheckpoint(ValueError):
-    """A checkpoint folder some file of which cannot be read back; the message names it."""
-
-
-def verify(path: str | os.PathLike[str]) -> None:
-    """Check that every file a checkpoint needs is present and whole, loading no tensor.
-
-    Catches what a crash, a full disk or a bad copy leaves behind: unreadable
-    metadata, a missing or truncated shard file, an unreadable ``extra``. Only
-    the small metadata and ``extra`` files are read; shard files are only
-    measured against the offsets the metadata records. Corrupt bytes inside a
-    shard of the right length go unnoticed (DCP keeps no checksums). Raises
-    ``DamagedCheckpoint``.
-    """
-    path = Path(path)
-    try:
-        storage = dict(dcp.FileSystemReader(str(path)).read_metadata().storage_data)
-    except Exception as e:  # noqa: BLE001 - junk unpickles into any error type
-        raise DamagedCheckpoint(
-            f"{path / '.metadata'} is unreadable ({type(e).__name__})"
-        ) from None
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
-        try:
-            have = (path / name).stat().st_size
-        except OSError:
-            raise DamagedCheckpoint(f"{path / name} is missing") from None
-        if have < size:
-            raise DamagedCheckpoint(f"{path / name} is truncated ({have} of {size} bytes)")
-    extra = path / EXTRA_FILE
-    if extra.exists():
-        try:
-            torch.load(extra, weights_only=False)
-        except Exception as e:  # noqa: BLE001
-            raise DamagedCheckpoint(f"{extra} is unreadable ({type(e).__name__})") from None
 
 
 def _layout(metadata: Mapping[str, Any], model_sd: Mapping[str, Any]) -> str:

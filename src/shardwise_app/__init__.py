@@ -10,15 +10,16 @@ here; this package is what ``pip install 'shardwise[cli]'`` adds, with rich
   module every worker process starts in, ``signals.py`` how a worker stops,
   ``failures.py`` and ``run_folder.py`` what a run leaves on disk, and one
   module per command: ``train.py`` (its flags and their checks in
-  ``train_config.py``, with ``finetune.py`` for ``--hf``),
-  ``sample.py``, ``export.py``; ``report.py`` is a training run's progress,
-  metrics and plots.
+  ``train_config.py``, ``finetune.py`` for ``--hf``, ``corpus.py``, the
+  corpus tokenized once for every rank), ``sample.py``, ``export.py`` (their
+  shared frame: ``checkpoint_command.py``); ``report.py`` is a training run's
+  progress, metrics and plots.
 - ``bench/``: ``shardwise bench``, the bare model, torch's FSDP2 and shardwise
   side by side (``command.py``; its parts: ``models.py``, ``jobs.py``,
   ``memory.py``, ``tables.py``).
 - ``models/``: the built-in GPT (``gpt.py``) and transformers models from disk
   (``hf.py``, ``hf_export.py``).
-- ``data.py``: the training text and its batches.
+- ``data.py``: the training text, its memory-mapped token file, and its batches.
 - ``extras.py``: the optional packages, found without importing them.
 
 Nothing is imported here: a worker (``python -m shardwise_app.cli.worker``)

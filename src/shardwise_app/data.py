@@ -14,16 +14,23 @@ its own slice of them.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 VAL_FRACTION = 0.05
+TOKENS, TOKENS_META = "tokens.bin", "tokens.json"  # in the cache folder
+_CHUNK = 16 * 1024 * 1024  # bytes copied at a time
+_TOKENIZE_BATCH, _TOKENIZE_BYTES = 64, 16 * 1024 * 1024  # documents a tokenizer sees at once
 _SKIP_DIRS = {
     "site-packages",
     "dist-packages",
@@ -111,8 +118,9 @@ def load_corpus(
     max_bytes: int = DEFAULT_MAX_BYTES,
     min_split_bytes: int = 2,
     tokenizer: Any = None,
+    cache: Path | None = None,
 ) -> Corpus:
-    """Read the corpus and split it: the last ``VAL_FRACTION`` of it is validation.
+    """Tokenize the corpus into a token file and split it: the last ``VAL_FRACTION`` is validation.
 
     ``path``: None for the standard library, a text file, or a folder of text
     files. ``max_bytes`` caps only the default corpus. Both splits must hold
@@ -121,77 +129,232 @@ def load_corpus(
     With a ``tokenizer`` (a transformers one), each file is one document,
     tokenized on its own, and the documents are packed into one stream with
     the tokenizer's EOS token after each; the splits and ``min_split_bytes``
-    then count tokens.
+    then count tokens. Without one, the tokens are the bytes, files joined by
+    a blank line.
+
+    The tokens are written, streaming, to ``cache/tokens.bin`` (and what they
+    were made from to ``cache/tokens.json``) and returned memory-mapped, so a
+    corpus of many GB costs each reader only the pages its windows touch. A
+    cache made from the same files (sizes, modification times) and tokenizer
+    is used as it is. Without ``cache``, a temporary file is used.
     """
-    chunks, source = _read(path, max_bytes)
-    # A blank line between files, so one file's end does not run into the next's start.
-    raw = b"\n\n".join(chunks)[: max_bytes if path is None else None]
-    sha = hashlib.sha256(raw).hexdigest()
-    if tokenizer is None:
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        unit = "bytes"
-    else:
-        # The default corpus's cap may cut its last file short: so are its documents.
-        data = _tokens(_cap(chunks, len(raw)) if path is None else chunks, tokenizer)
-        unit = "tokens"
-    n_val = max(min_split_bytes, int(data.numel() * VAL_FRACTION))
-    if data.numel() - n_val < min_split_bytes:
-        raise DataError(
-            f"--data {path or source}: {data.numel()} {unit} is too little text; it needs at "
-            f"least {min_split_bytes + n_val} {unit} for windows of this --seq-len and a "
-            "validation split"
-        )
-    return Corpus(data[:-n_val], data[-n_val:], source, len(chunks), sha, unit)
+    if cache is None:
+        with tempfile.TemporaryDirectory(prefix="shardwise-corpus-") as tmp:
+            # The mapping outlives the removed file (POSIX); the disk space goes with it.
+            return load_corpus(
+                path,
+                max_bytes=max_bytes,
+                min_split_bytes=min_split_bytes,
+                tokenizer=tokenizer,
+                cache=Path(tmp),
+            )
+    files, source, cap = _files(path, max_bytes)
+    key = {
+        "format": 1,
+        "source": source,
+        "cap": cap,
+        "files": [[str(f), *_stamp(f)] for f in files],
+        "tokenizer": _tokenizer_key(tokenizer),
+    }
+    meta = _read_meta(cache, key)
+    if meta is None:
+        meta = _write_tokens(cache, key, files, cap, tokenizer)
+    return _open(cache, meta, path or source, min_split_bytes)
 
 
-def _read(path: str | None, max_bytes: int) -> tuple[list[bytes], str]:
-    """The files' contents in order (the default corpus up to ``max_bytes``), and where from."""
+def open_tokens(cache: Path, *, min_split_bytes: int = 2) -> Corpus:
+    """The corpus a ``load_corpus(..., cache=cache)`` wrote, memory-mapped; nothing is rewritten.
+
+    For readers that must not race its writer: the ranks of a run, once the
+    launcher has written it.
+    """
+    try:
+        meta = json.loads((cache / TOKENS_META).read_text())
+    except (OSError, ValueError):
+        raise DataError(f"{cache / TOKENS_META}: missing or unreadable (tokenize again)") from None
+    return _open(cache, meta, str(cache), min_split_bytes)
+
+
+def _files(path: str | None, max_bytes: int) -> tuple[list[Path], str, int | None]:
+    """The corpus's files in order, where they are from, and the byte cap (default corpus)."""
     check_data_path(path)
     if path is None:
-        files, source, cap = stdlib_sources(), "python-stdlib", max_bytes
-    else:
-        p = Path(path)
-        files = [p] if p.is_file() else text_files(p)
-        source, cap = str(p.resolve()), None
-        if not files:
-            raise DataError(f"--data {path}: the folder holds no text files")
-    chunks, total = [], 0
-    for f in files:
-        try:
-            chunks.append(f.read_bytes())
-        except OSError as e:
-            raise DataError(f"--data {f}: cannot read it ({e.strerror})") from None
-        total += len(chunks[-1]) + 2
-        if cap is not None and total >= cap:
-            break
-    return chunks, source
+        return stdlib_sources(), "python-stdlib", max_bytes
+    p = Path(path)
+    files = [p] if p.is_file() else text_files(p)
+    if not files:
+        raise DataError(f"--data {path}: the folder holds no text files")
+    return files, str(p.resolve()), None
 
 
-def _cap(chunks: list[bytes], n: int) -> list[bytes]:
-    """The documents within the first ``n`` bytes of their blank-line-joined text."""
-    out, used = [], 0
-    for c in chunks:
-        if used >= n:
-            break
-        out.append(c[: n - used])
-        used += len(c) + 2
-    return out
+def _stamp(f: Path) -> tuple[int, int]:
+    try:
+        st = f.stat()
+    except OSError as e:
+        raise DataError(f"--data {f}: cannot read it ({e.strerror})") from None
+    return st.st_size, st.st_mtime_ns
 
 
-def _tokens(docs: list[bytes], tokenizer: Any, batch: int = 64) -> torch.Tensor:
-    """Each document tokenized on its own, then packed, with EOS after each (int32 ids).
+def _tokenizer_key(tokenizer: Any) -> Any:
+    """What makes two tokenizers give the same ids, as far as can be seen cheaply."""
+    if tokenizer is None:
+        return "bytes"
+    folder = Path(str(getattr(tokenizer, "name_or_path", "")))
+    files = sorted(folder.iterdir()) if folder.is_dir() else []
+    return {
+        "class": type(tokenizer).__name__,
+        "name": str(folder),
+        "vocab": len(tokenizer),
+        "eos": tokenizer.eos_token_id,
+        "files": [
+            [f.name, *_stamp(f)] for f in files if f.is_file() and f.suffix != ".safetensors"
+        ],
+    }
 
-    A tokenizer without an EOS token packs the documents back to back.
+
+def _read_meta(cache: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The cache's description if it was made from exactly ``key`` and is whole."""
+    try:
+        meta = json.loads((cache / TOKENS_META).read_text())
+        size = (cache / TOKENS).stat().st_size
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("key") != key:
+        return None
+    if size != meta.get("tokens", -1) * np.dtype(meta.get("dtype", "u1")).itemsize:
+        return None
+    return meta
+
+
+class _Sink:
+    """The token file being written, in order, with the sha256 of the text it came from."""
+
+    def __init__(self, f: BinaryIO, cap: int | None) -> None:
+        self.f, self.cap, self.sha = f, cap, hashlib.sha256()
+        self.text_bytes, self.tokens = 0, 0
+
+    def text(self, b: bytes) -> bytes:
+        """Count ``b`` as corpus text (cut at the cap); return what was kept."""
+        if self.cap is not None:
+            b = b[: max(0, self.cap - self.text_bytes)]
+        self.sha.update(b)
+        self.text_bytes += len(b)
+        return b
+
+    def write(self, ids: np.ndarray) -> None:
+        self.f.write(ids.tobytes())
+        self.tokens += ids.size
+
+
+def _write_tokens(
+    cache: Path, key: dict[str, Any], files: list[Path], cap: int | None, tokenizer: Any
+) -> dict[str, Any]:
+    """``_stream_tokens``, with a failed write (a full disk) said in one line."""
+    try:
+        return _stream_tokens(cache, key, files, cap, tokenizer)
+    except OSError as e:
+        (cache / (TOKENS + ".partial")).unlink(missing_ok=True)
+        raise DataError(
+            f"--data: writing its tokens to {cache} failed ({e.strerror or e}); free space "
+            "there or choose another --out"
+        ) from None
+
+
+def _stream_tokens(
+    cache: Path, key: dict[str, Any], files: list[Path], cap: int | None, tokenizer: Any
+) -> dict[str, Any]:
+    """Stream the files into ``cache/tokens.bin``: bytes as they are, or token ids.
+
+    Memory stays bounded: bytes are copied in chunks; a tokenizer sees one
+    batch of documents at a time (so one file at most, whole).
     """
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = cache / (TOKENS + ".partial")
+    dtype = np.dtype(np.uint8 if tokenizer is None else np.int32)
+    n_files, total = 0, 0
+    with open(partial, "wb") as f:
+        sink = _Sink(f, cap)
+        batch: list[bytes] = []
+        for i, path in enumerate(files):
+            if cap is not None and total >= cap:
+                break
+            n_files += 1
+            try:
+                if tokenizer is None:
+                    total += _copy_bytes(path, sink, first=i == 0) + 2
+                else:
+                    doc = path.read_bytes()
+                    total += len(doc) + 2
+                    if i > 0:
+                        sink.text(b"\n\n")
+                    # As the cap cuts the joined text, so it cuts its last document.
+                    batch.append(sink.text(doc))
+                    if len(batch) == _TOKENIZE_BATCH or sum(map(len, batch)) > _TOKENIZE_BYTES:
+                        _tokenize(batch, tokenizer, sink)
+                        batch = []
+            except OSError as e:
+                raise DataError(f"--data {path}: cannot read it ({e.strerror})") from None
+        if batch:
+            _tokenize(batch, tokenizer, sink)
+        f.flush()
+        os.fsync(f.fileno())
+    meta = {
+        "key": key,
+        "dtype": dtype.str,
+        "tokens": sink.tokens,
+        "unit": "bytes" if tokenizer is None else "tokens",
+        "files": n_files,
+        "sha256": sink.sha.hexdigest(),
+    }
+    os.replace(partial, cache / TOKENS)
+    tmp = cache / (TOKENS_META + ".partial")
+    tmp.write_text(json.dumps(meta) + "\n")
+    os.replace(tmp, cache / TOKENS_META)  # last: its presence says the tokens are whole
+    return meta
+
+
+def _copy_bytes(path: Path, sink: _Sink, first: bool) -> int:
+    """Append one file's bytes (after a blank line unless ``first``); return its length."""
+    n = 0
+    if not first:
+        sink.write(np.frombuffer(sink.text(b"\n\n"), dtype=np.uint8))
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            n += len(chunk)
+            sink.write(np.frombuffer(sink.text(chunk), dtype=np.uint8))
+    return n
+
+
+def _tokenize(docs: list[bytes], tokenizer: Any, sink: _Sink) -> None:
+    """Each document tokenized on its own, with EOS after each (none if the tokenizer has none)."""
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    parts = []
-    for i in range(0, len(docs), batch):
-        texts = [d.decode("utf-8", errors="replace") for d in docs[i : i + batch]]
-        # verbose=False: documents longer than the model's context are expected here
-        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        for doc in ids:
-            parts.append(torch.tensor([*doc, *eos], dtype=torch.int32))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+    texts = [d.decode("utf-8", errors="replace") for d in docs]
+    # verbose=False: documents longer than the model's context are expected here
+    for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
+        sink.write(np.asarray([*ids, *eos], dtype=np.int32))
+
+
+def _open(cache: Path, meta: dict[str, Any], where: str, min_split: int) -> Corpus:
+    """The token file memory-mapped read-only, split into train and validation."""
+    n = int(meta["tokens"])
+    if n:
+        mapped = np.memmap(cache / TOKENS, dtype=np.dtype(meta["dtype"]), mode="r", shape=(n,))
+        with warnings.catch_warnings():
+            # Read-only on purpose: nothing writes into the corpus.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            data = torch.from_numpy(mapped)
+    else:
+        data = torch.zeros(0, dtype=torch.uint8 if meta["unit"] == "bytes" else torch.int32)
+    unit = meta["unit"]
+    n_val = max(min_split, int(n * VAL_FRACTION))
+    if n - n_val < min_split:
+        raise DataError(
+            f"--data {where}: {n} {unit} is too little text; it needs at "
+            f"least {min_split + n_val} {unit} for windows of this --seq-len and a "
+            "validation split"
+        )
+    source = str(meta["key"]["source"])
+    return Corpus(data[:-n_val], data[-n_val:], source, int(meta["files"]), meta["sha256"], unit)
 
 
 class BatchSampler:

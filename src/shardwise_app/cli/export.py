@@ -15,69 +15,56 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from .main import (
-    UsageError,
-    add_launch_arguments,
-    in_worker,
-    init_worker,
-    launch,
-    launch_from_args,
-)
-from .run_folder import find_checkpoint
-from .signals import restore_default_signals
+from . import checkpoint_command
+from .checkpoint_command import say_source
+from .main import UsageError, in_worker, init_worker
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="shardwise export",
-        description="Write a run of `shardwise train --hf` as a folder that "
-        "AutoModelForCausalLM.from_pretrained (or, for an adapter, PeftModel) loads.",
-    )
-    p.add_argument(
-        "--ckpt",
-        required=True,
-        metavar="RUN",
-        help="a run folder (its latest checkpoint) or a checkpoint folder",
-    )
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write; new or empty")
     p.add_argument(
         "--adapter-only",
         action="store_true",
         help="write the LoRA adapter alone (PEFT format) instead of the merged model",
     )
-    add_launch_arguments(p, nproc_default="1, this process")
-    p.set_defaults(nproc=1)
-    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return checkpoint_command.parser(
+        "shardwise export",
+        "Write a run of `shardwise train --hf` as a folder that "
+        "AutoModelForCausalLM.from_pretrained (or, for an adapter, PeftModel) loads.",
+        _add_arguments,
+        ckpt_metavar="RUN",
+    )
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if in_worker():
-        restore_default_signals()  # no step boundary to stop at: signals act as usual
-    ckpt, config = find_checkpoint(args.ckpt, "--ckpt")
-    if not config.get("hf"):
-        raise UsageError(
-            f"--ckpt {args.ckpt}: a run of the built-in GPT; export writes runs of "
-            "`shardwise train --hf` (its checkpoints load with shardwise.checkpoint)"
-        )
-    if args.adapter_only and not config.get("lora"):
-        raise UsageError(
-            f"--adapter-only: the run at {args.ckpt} trained every weight, not LoRA adapters"
-        )
-    out = Path(args.out)
-    if not in_worker():
-        _check_out(out, args.out)
-    if in_worker():
-        return _export(args, ckpt, config, distributed=True)
-    where = launch_from_args(args)
-    if where.world == 1:
-        return _export(args, ckpt, config, distributed=False)
-    worker_args = {"ckpt": args.ckpt, "out": args.out, "adapter_only": args.adapter_only}
-    return launch("export", worker_args, where, on_signal=lambda _id, signum: 128 + signum)
+
+    def check(ckpt: Path, config: dict[str, Any]) -> None:
+        if not config.get("hf"):
+            raise UsageError(
+                f"--ckpt {args.ckpt}: a run of the built-in GPT; export writes runs of "
+                "`shardwise train --hf` (its checkpoints load with shardwise.checkpoint)"
+            )
+        if args.adapter_only and not config.get("lora"):
+            raise UsageError(
+                f"--adapter-only: the run at {args.ckpt} trained every weight, not LoRA adapters"
+            )
+        if not in_worker():
+            _check_out(Path(args.out), args.out)
+
+    return checkpoint_command.run(
+        "export",
+        args,
+        ("ckpt", "out", "adapter_only"),
+        lambda ckpt, config, dist: _export(args, ckpt, config, dist),
+        check,
+    )
 
 
 def _check_out(out: Path, given: str) -> None:
@@ -109,8 +96,7 @@ def _export(args: argparse.Namespace, ckpt: Path, config: dict[str, Any], distri
     export(hf, out, adapter_only=args.adapter_only)
     if is_main:
         what = "PeftModel" if args.adapter_only else "AutoModelForCausalLM"
-        step = extra.get("step", "?")
-        print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
+        say_source(config, extra, ckpt)
         print(f"export: {out} (loads with {what}.from_pretrained)", flush=True)
     if distributed:
         dist.destroy_process_group()

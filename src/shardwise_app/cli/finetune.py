@@ -69,7 +69,13 @@ def resolve(
 
     Returns None for a run of the built-in GPT. Raises ``UsageError``.
     """
-    from ..models.hf import HFError, check_folder, context_length, require_extra
+    from ..models.hf import (
+        HFError,
+        check_folder,
+        context_length,
+        require_extra,
+        weights_fingerprint,
+    )
 
     lora_flags = [k for k in ("lora", "lora_alpha", "lora_targets", "adapter_only") if k in given]
     if c["hf"] is None:
@@ -107,6 +113,18 @@ def resolve(
                 f"--resume {resume_arg}: {path}/config.json changed since the run started; "
                 "the checkpoint is of the model it described then"
             )
+    # Recorded at the start, compared on resume: a fine-tune continued on other
+    # base weights trains on quietly into nonsense. (Runs from before it: unchecked.)
+    c["hf_weights"] = weights_fingerprint(path)
+    then = resumed.get("hf_weights") if resumed else None
+    if then is not None and then != c["hf_weights"]:
+        changed = sorted(set(then) ^ set(c["hf_weights"])) or sorted(
+            f for f in then if then[f] != c["hf_weights"][f]
+        )
+        raise UsageError(
+            f"--resume {resume_arg}: the base weights in {path} changed since the run started "
+            f"({changed[0]} differs); the checkpoint fine-tunes the weights that were there then"
+        )
     c["hf"] = path
     if c["lora"] is None:
         extra = [k for k in lora_flags if k != "lora"]

@@ -30,6 +30,7 @@ from .main import UsageError
 from .report import read_jsonl
 
 LOCK = ".lock"
+CORPUS = "corpus"  # the tokenized --data (cli/corpus.py): derived, made again at will
 _STEP = re.compile(r"step_\d+")
 
 
@@ -101,8 +102,9 @@ def find_checkpoint(path: str, flag: str) -> tuple[Path, dict[str, Any]]:
 
 
 def holds_only_the_lock(folder: Path) -> bool:
-    """Empty, or left with nothing but a lock file by a start that was stopped."""
-    return all(p.name == LOCK for p in folder.iterdir())
+    """Empty, or left with nothing but a lock file (and the tokenized corpus, which is made
+    again at will) by a start that was stopped."""
+    return all(p.name in (LOCK, CORPUS) for p in folder.iterdir())
 
 
 class RunLock:
@@ -172,6 +174,7 @@ def remove_if_unused(out: Path, created: bool) -> None:
     """Remove a run folder this launch created when it ended with nothing in it."""
     if created and out.is_dir() and holds_only_the_lock(out):
         with contextlib.suppress(OSError):
+            shutil.rmtree(out / CORPUS, ignore_errors=True)
             (out / LOCK).unlink(missing_ok=True)
             out.rmdir()
 

@@ -11,33 +11,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import warnings
 from typing import Any
 
-from .main import (
-    UsageError,
-    add_launch_arguments,
-    in_worker,
-    init_worker,
-    launch,
-    launch_from_args,
-)
-from .run_folder import find_checkpoint
-from .signals import restore_default_signals
+from . import checkpoint_command
+from .checkpoint_command import say_source
+from .main import UsageError, init_worker
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="shardwise sample",
-        description="Print a continuation of a prompt from a model trained by `shardwise train`.",
-    )
-    p.add_argument(
-        "--ckpt",
-        required=True,
-        metavar="DIR",
-        help="a run folder (its latest checkpoint) or a checkpoint folder",
-    )
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     p.add_argument(
         "--tokens",
@@ -55,10 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-k", type=int, default=40, help="sample among the k likeliest (default: 40)"
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    # One process unless asked: sampling needs no more, and loads any checkpoint.
-    add_launch_arguments(p, nproc_default="1, this process")
-    p.set_defaults(nproc=1)
-    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return checkpoint_command.parser(
+        "shardwise sample",
+        "Print a continuation of a prompt from a model trained by `shardwise train`.",
+        _add_arguments,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -69,17 +55,10 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--temperature must be a number at least 0, got {args.temperature}")
     if args.top_k < 1:
         raise UsageError(f"--top-k must be at least 1, got {args.top_k}")
-    if in_worker():
-        restore_default_signals()  # no step boundary to stop at: signals act as usual
-    ckpt, config = find_checkpoint(args.ckpt, "--ckpt")
-    if in_worker():
-        return _sample(args, ckpt, config, distributed=True)
-    where = launch_from_args(args)
-    if where.world == 1:
-        return _sample(args, ckpt, config, distributed=False)
     keep = ("ckpt", "prompt", "tokens", "temperature", "top_k", "seed")
-    worker_args = {k: getattr(args, k) for k in keep}
-    return launch("sample", worker_args, where, on_signal=lambda _id, signum: 128 + signum)
+    return checkpoint_command.run(
+        "sample", args, keep, lambda ckpt, config, dist: _sample(args, ckpt, config, dist)
+    )
 
 
 def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distributed: bool) -> int:
@@ -176,6 +155,5 @@ def _generate(forward: Any, idx: Any, seq_len: int, args: argparse.Namespace) ->
 
 
 def _print(text: str, config: dict[str, Any], extra: dict[str, Any], ckpt: Any) -> None:
-    step = extra.get("step", "?")
-    print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
+    say_source(config, extra, ckpt)
     print(text, flush=True)

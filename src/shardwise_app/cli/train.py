@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
+from .corpus import open_corpus
+from .corpus import prepare as prepare_corpus
 from .failures import (
     RunFailure,
     diverged,
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> int:
     try:
         for name in remove_unfinished_saves(out):
             print(f"removed checkpoints/{name}: a save that never finished", file=sys.stderr)
+        config["corpus"] = prepare_corpus(config, out)  # once, for every rank to map
         # Workers get the config from us and write it to the run folder
         # themselves, once the checkpoint has loaded: nothing changes before.
         os.environ[CONFIG_ENV] = json.dumps(config)
@@ -127,7 +130,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
 
     from shardwise import FSDPModule, checkpoint, trace
 
-    from ..data import BatchSampler, DataError, eval_offsets, load_corpus, windows
+    from ..data import BatchSampler, eval_offsets, windows
     from ..models.gpt import num_params
     from . import finetune
 
@@ -140,6 +143,7 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
             out = Path(c["out"])
             _held.append(create_and_lock(out, "--out", new_run=is_new_run(c))[0])
             remove_unfinished_saves(out)
+            c["corpus"] = prepare_corpus(c, out)  # once, for every rank to map
             return c
 
         cfg = from_rank0(resolve_and_lock, "train")
@@ -147,17 +151,10 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
 
     # Model: the same initial weights on every rank, then each keeps its shards.
     torch.manual_seed(cfg["seed"])
-    model, forward, hf, tokenizer = finetune.build_model(cfg, w.device, w.world)
+    model, forward, hf, _ = finetune.build_model(cfg, w.device, w.world)
 
-    # Data: the same corpus on every rank; each rank reads its own windows.
-    try:
-        corpus = load_corpus(cfg["data"], min_split_bytes=cfg["seq_len"] + 1, tokenizer=tokenizer)
-    except DataError as e:  # tokens can be fewer than the bytes the launcher counted
-        raise RunFailure(str(e)) from None
-    if corpus.sha256 != cfg["corpus"]["sha256"] and w.is_main:
-        print(
-            "warning: the data changed since this run started; losses will differ", file=sys.stderr
-        )
+    # Data: the corpus file the launcher wrote, mapped; each rank reads its own windows.
+    corpus = open_corpus(cfg)
     seq_len, micro_steps = cfg["seq_len"], cfg["grad_accum"]
     sampler = BatchSampler(
         corpus.train,

@@ -154,7 +154,7 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
 
     from shardwise import __version__
 
-    from ..data import DataError, load_corpus
+    from ..data import DataError, check_data_path
     from ..models.gpt import SIZES
     from . import finetune
 
@@ -224,8 +224,8 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
             f"--resume {args.resume}: the checkpoint is at step {ckpt_step}, "
             f"--steps is {c['steps']}: nothing left to do (raise --steps)"
         )
-    try:
-        corpus = load_corpus(c["data"], min_split_bytes=c["seq_len"] + 1)
+    try:  # (tokenized under the run's lock: cli/corpus.py)
+        check_data_path(c["data"])
     except DataError as e:
         raise UsageError(str(e)) from None
     if c["data"] is not None:
@@ -242,7 +242,7 @@ def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
         "resume": str(ckpt.resolve()) if ckpt else None,
         "resume_step": ckpt_step,
         "resumed_metrics": str(run.resolve() / "metrics.jsonl") if run else None,
-        "corpus": corpus.describe(),
+        "corpus": None,  # prepare_corpus fills it in, under the lock
         "torch_version": torch.__version__,
         "shardwise_version": __version__,
     }

@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardwise.sharded_param import rows_per_rank
+
 from ..extras import first_missing
 
 EXTRA = ("transformers", "peft", "safetensors")
@@ -108,6 +110,46 @@ def check_folder(path: str | os.PathLike[str], flag: str = "--hf") -> dict[str, 
             "tokenizer into the same folder"
         )
     return config
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The names of the folder's safetensors weight files, sorted."""
+    if (folder / INDEX).is_file():
+        return sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+    return [SINGLE]
+
+
+_SAMPLES, _BLOCK = 16, 64 * 1024
+
+
+def weights_fingerprint(path: str | os.PathLike[str]) -> dict[str, str]:
+    """A fingerprint of each weight file that costs the same at 1 MB as at 100 GB.
+
+    Per file: its size, and a sha256 of its safetensors header (every
+    tensor's name, dtype, shape and offsets) and of 16 blocks of 64 KiB
+    spread evenly over the data, the last block included. Weights that were
+    trained further, re-saved in another dtype or swapped for another
+    checkpoint change every block; an edit confined to a few bytes between
+    the samples would go unseen (a full hash of many GB takes minutes).
+    """
+    import hashlib
+
+    folder = Path(path)
+    out = {}
+    for name in weight_files(folder):
+        h = hashlib.sha256()
+        with open(folder / name, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + f.read(min(header_len, size)))
+            start = f.tell()
+            span = max(0, size - start - _BLOCK)
+            for i in range(_SAMPLES):
+                f.seek(start + span * i // (_SAMPLES - 1))
+                h.update(f.read(_BLOCK))
+        out[name] = f"{size}:{h.hexdigest()}"
+    return out
 
 
 def context_length(config: dict[str, Any]) -> int | None:
@@ -303,7 +345,7 @@ def _rows(p: torch.Tensor) -> tuple[int, int]:
     if placements[-1] != Shard(0) or any(pl != Replicate() for pl in placements[:-1]):
         raise NotImplementedError(f"loading a parameter placed {placements} (tensor parallel?)")
     world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    chunk = -(-p.shape[0] // world)  # torch.chunk's split, as fully_shard's
+    chunk = rows_per_rank(p.shape[0], world)
     start = min(rank * chunk, p.shape[0])
     return start, start + p.to_local().shape[0]
 
