@@ -62,6 +62,7 @@ class Hardware:
     mem_bw: float
     op_overhead: float
     view_overhead: float  # a view launches no kernel: host time only
+    dtensor_overhead: float  # DTensor's Python dispatch, per operator on DTensors
     intra_bw: float
     inter_bw: float
     latency: float
@@ -90,6 +91,7 @@ H200 = Hardware(
     mem_bw=4.0e12,
     op_overhead=5e-6,
     view_overhead=0.0,
+    dtensor_overhead=0.0,  # hidden behind the GPU's work
     intra_bw=360e9,
     inter_bw=40e9,
     latency=15e-6,
@@ -100,24 +102,26 @@ H200 = Hardware(
     source="H200 datasheet peaks, derated (not measured)",
 )
 
-# The 2-core CI/development machine these docs were measured on, per gloo rank
-# with one thread each: calibrate() measured (2026-12-02) on it.
+# The 2-core development machine the CPU rows of docs/scaling.md were measured
+# on, per gloo rank with one thread each (calibrate.py).
 THIS_CPU = Hardware(
     name="cpu",
-    matmul_flops=40e9,
-    matmul_flops_fp32=40e9,
-    mem_bw=5e9,
-    op_overhead=12e-6,
-    view_overhead=3e-6,
+    matmul_flops=32.5e9,
+    matmul_flops_fp32=32.5e9,
+    mem_bw=1.31e9,
+    op_overhead=6.6e-6,
+    view_overhead=1.8e-6,
+    dtensor_overhead=95e-6,
     intra_bw=2e9,
     inter_bw=2e9,
     latency=60e-6,
     ranks_per_node=64,
-    host_mem_bw=5e9,
+    host_mem_bw=1.31e9,
     h2d_bw=5e9,
     alloc_round=1,
     device="cpu",
-    source="calibrate() on the 2-core development machine",
+    source="calibrate('cpu') on the 2-core development machine, 2 gloo ranks of 1 thread "
+    "running it at once (2026-12-02); gloo bandwidth and latency assumed",
 )
 
 HARDWARE = {"h200": H200, "cpu": THIS_CPU}

@@ -32,6 +32,7 @@ from .. import collectives
 from ..api import hsdp_mesh
 from .policy import Hardware, Policy
 from .setup import InputFn, LossFn, apply_policy, lm_loss, make_optimizer, token_batch
+from .timeline import staging_live
 from .tracker import Event, Tracker, saving_as_activations, storages_of
 
 PARAMS, GRADS, OPTIM = "sharded_params", "grads", "optimizer_state"
@@ -126,6 +127,7 @@ def simulate(
     check_world(world, hsdp)
     policy.check()
     tracker = Tracker(hw.alloc_round)
+    tracker.gloo_staging = hw.device == "cpu"
     whole: dict[str, int] = {}
     moved: dict[str, int] = {}
     offload = policy.offload
@@ -154,24 +156,27 @@ def simulate(
                 tracker.mark_host(storages_of([getattr(g, "_local_tensor", g) for g in grads]))
 
             def observe(rec: Any, pending: Any) -> None:
+                staging = tracker.take_staging()
                 if tracker.events is None:
                     return
                 whole[rec.kind] = whole.get(rec.kind, 0) + rec.nbytes
                 share = _moved(rec.kind, rec.nbytes, rec.group_size)
                 moved[rec.kind] = moved.get(rec.kind, 0) + share
+                key = len(tracker.events)  # unique within the step (an id may be reused)
                 tracker.record(
                     kind="issue",
                     coll=rec.kind,
                     nbytes=share,
                     group=rec.group_size,
-                    key=id(pending),
+                    key=key,
                     numel=rec.numel // max(1, rec.group_size),
+                    staging=staging,
                 )
 
                 def done(p: Any) -> None:
                     if offload:
                         grads_to_host()
-                    tracker.record(kind="wait", key=id(p))
+                    tracker.record(kind="wait", key=key)
 
                 pending.on_done.append(done)
 
@@ -206,8 +211,12 @@ def simulate(
                         grads_to_host()
                     if recording:
                         events = tracker.events
+                        staging = staging_live(events)
+                        for e, extra in zip(events, staging):
+                            e.live += extra
                         peak_index = max(range(len(events)), key=lambda i: events[i].live)
                         stop_at = peak_index
+                        tracker.staging_now = staging[peak_index]
                     if stopped:
                         break
             finally:

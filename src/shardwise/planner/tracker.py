@@ -48,6 +48,8 @@ class Event:
     group: int = 0  # issue: group size
     key: int = 0  # issue/wait: which collective
     numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
+    dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
+    staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
 
 
 def _sdpa_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
@@ -91,6 +93,16 @@ class Tracker(TorchDispatchMode):
         self.module = ""
         self.host_storages: set[int] = set()  # offloaded: not device memory
         self.peak = 0
+        # A CPU target: gloo's own staging buffers (not seen as operators' outputs).
+        self.gloo_staging = False
+        self.unbound: list[int] = []
+        self.staging_now = 0  # at a snapshot: staging buffers live then
+
+    def take_staging(self) -> int:
+        """Bytes of gloo staging of the collective just issued."""
+        n = sum(self.unbound)
+        self.unbound.clear()
+        return n
 
     # ---- storages ---------------------------------------------------------------------------
 
@@ -174,13 +186,20 @@ class Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flat_in = _plain(tree_flatten((args, kwargs))[0])
+        leaves = tree_flatten((args, kwargs))[0]
+        flat_in = _plain(leaves)
         flat_out = _plain(tree_flatten(out)[0])
         if func.namespace == "prim":  # metadata (a device query), no kernel
             return out
         if func.namespace == "c10d":
             for t in flat_in + flat_out:
                 self.track(t, COMM)
+            if self.gloo_staging and "allgather" in func.__name__:
+                # gloo gathers into a flat buffer of its own, then copies out
+                # (ProcessGroupGloo's newLikeFlat): live while the work runs on
+                # gloo's thread. The issue event carries it; timeline.py knows how long.
+                outs = _plain(tree_flatten(args[0])[0])  # the outputs come first
+                self.unbound.append(self._size(sum(t.numel() * t.element_size() for t in outs)))
             return out
         for t in flat_out:
             self.track(t)
@@ -198,8 +217,15 @@ class Tracker(TorchDispatchMode):
         if host:  # an offloaded optimizer's own temporaries live on the host too
             self.mark_host(storages_of(flat_out))
         low = any(t.dtype in (torch.bfloat16, torch.float16) for t in flat_in)
+        dt = any(hasattr(t, "_local_tensor") for t in leaves)
         self.record(
-            kind="op", flops=flops, nbytes=nbytes, matmul=flops > 0, low_precision=low, host=host
+            kind="op",
+            flops=flops,
+            nbytes=nbytes,
+            matmul=flops > 0,
+            low_precision=low,
+            host=host,
+            dtensor=dt,
         )
         return out
 
@@ -213,6 +239,8 @@ class Tracker(TorchDispatchMode):
                 continue
             kind = known.get(key) or entry.tag or TEMPORARY
             by[kind] = by.get(kind, 0) + entry.nbytes
+        if self.staging_now:
+            by[COMM] = by.get(COMM, 0) + self.staging_now
         return by
 
     def host_bytes(self, known: dict[int, str]) -> dict[str, int]:

@@ -113,6 +113,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc", type=int, default=None, help="--measure: processes (default: the world size)"
     )
+    p.add_argument(
+        "--suite",
+        choices=("h200", "cpu"),
+        default=None,
+        help="predict and measure a fixed set of configurations, each in its own "
+        "process; --json FILE (and FILE with .md) gets the table",
+    )
     p.add_argument("--measure-out", default=None, help=argparse.SUPPRESS)  # a measuring worker
     return p
 
@@ -223,6 +230,10 @@ def plot(p: Any, path: str) -> None:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.suite:
+        from .plan_suite import run_suite
+
+        return run_suite(args.suite, args.json)
     from shardwise.planner import GIB, HARDWARE, NothingFits, Policy, fastest_within, plan
 
     if args.world_size < 1:
