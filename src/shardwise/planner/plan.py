@@ -140,6 +140,10 @@ def candidate_policies(base: Policy) -> list[Policy]:
     return out
 
 
+def _frugality(p: Policy) -> tuple[int, int, int, int]:
+    return (p.ac == "none", p.reshard_after_forward is False, not p.offload, p.prefetch)
+
+
 def fastest_within(
     build: Callable[[], nn.Module],
     world_size: int,
@@ -153,12 +157,18 @@ def fastest_within(
 ) -> tuple[Plan, list[Plan]]:
     """The fastest predicted policy whose peak fits ``budget_bytes``, and every plan tried.
 
-    Raises ``NothingFits`` (a ``ValueError``) naming the smallest peak seen.
+    Raises ``NothingFits`` (a ``ValueError``) naming the smallest peak seen. The
+    most frugal candidate (checkpointing, resharding, offload, least prefetch) is
+    tried first: if it does not fit, none will, and the search stops there.
     """
-    tried = [
-        plan(build, world_size, batch_size=batch_size, seq_len=seq_len, policy=p, **kw)
-        for p in (policies or candidate_policies(base or Policy()))
-    ]
+    todo = list(policies or candidate_policies(base or Policy()))
+    todo.sort(key=_frugality)
+    tried = [plan(build, world_size, batch_size=batch_size, seq_len=seq_len, policy=todo[0], **kw)]
+    if tried[0].peak_bytes <= budget_bytes:
+        tried += [
+            plan(build, world_size, batch_size=batch_size, seq_len=seq_len, policy=p, **kw)
+            for p in todo[1:]
+        ]
     fits = [p for p in tried if p.peak_bytes <= budget_bytes]
     if not fits:
         least = min(tried, key=lambda p: p.peak_bytes)

@@ -159,9 +159,10 @@ def simulate(
                 staging = tracker.take_staging()
                 if tracker.events is None:
                     return
-                whole[rec.kind] = whole.get(rec.kind, 0) + rec.nbytes
                 share = _moved(rec.kind, rec.nbytes, rec.group_size)
-                moved[rec.kind] = moved.get(rec.kind, 0) + share
+                if counting:  # the recorded step only (the third stops part way)
+                    whole[rec.kind] = whole.get(rec.kind, 0) + rec.nbytes
+                    moved[rec.kind] = moved.get(rec.kind, 0) + share
                 key = len(tracker.events)  # unique within the step (an id may be reused)
                 tracker.record(
                     kind="issue",
@@ -184,6 +185,7 @@ def simulate(
             by_kind: dict[str, int] = {}
             host: dict[str, int] = {}
             stop_at = -1
+            counting = False
 
             def take() -> None:
                 known = _known(params, opt)
@@ -192,7 +194,7 @@ def simulate(
 
             try:
                 for step in range(3):
-                    recording = step == 1
+                    recording = counting = step == 1
                     tracker.events = [] if step >= 1 else None
                     tracker.peak = 0
                     stopped = _one_step(
