@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cli_helpers import shardwise
 
 pytestmark = pytest.mark.timeout(240)

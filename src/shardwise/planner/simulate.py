@@ -148,7 +148,7 @@ def simulate(
             n_params = sum(p.numel() for p in params)
             opt = make_optimizer(model, hw.device)
             if offload:
-                tracker.mark_host(storages_of([p._local_tensor for p in params]))
+                tracker.mark_host(storages_of([getattr(p, "_local_tensor", p) for p in params]))
             handles = _label_modules(model, blocks, tracker)
 
             def grads_to_host() -> None:
@@ -212,6 +212,7 @@ def simulate(
                         tracker.mark_host(storages_of(_state_tensors(opt)))
                         grads_to_host()
                     if recording:
+                        assert tracker.events is not None
                         events = tracker.events
                         staging = staging_live(events)
                         for e, extra in zip(events, staging):

@@ -167,7 +167,7 @@ class Tracker(TorchDispatchMode):
             tracker._note()
             return out
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         try:
             yield
         finally:

@@ -148,9 +148,9 @@ def run_worker(args: Any, build: Any) -> int:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peaks = [None] * w.world
+    peaks: list[Any] = [None] * w.world
     dist.all_gather_object(peaks, peak)
-    step_s = [None] * w.world
+    step_s: list[Any] = [None] * w.world
     dist.all_gather_object(step_s, statistics.median(times))
     if w.is_main:
         Path(args.measure_out).write_text(
