@@ -54,14 +54,12 @@ def calibrate(device: str = "cpu", size: int = 1024, repeats: int = 5) -> Hardwa
     view = _best(lambda: [tiny.view(2, 4) for _ in range(n)], repeats, sync) / n
     base = H200 if cuda else THIS_CPU
     dt = base.dtensor_overhead
-    import torch.distributed as dist
+    from .. import collectives
 
-    if dist.is_initialized() and not cuda:
+    if collectives.initialized() and not cuda:
         from torch.distributed.tensor import DTensor, Replicate
 
-        from .. import collectives
-
-        mesh = collectives.device_mesh(dev.type, (dist.get_world_size(),))
+        mesh = collectives.device_mesh(dev.type, (collectives.world_size(),))
         d = DTensor.from_local(tiny, mesh, [Replicate()])
         dt = max(0.0, _best(lambda: [d.add_(1.0) for _ in range(200)], repeats, sync) / 200 - op)
     return replace(

@@ -19,13 +19,11 @@ prefetched one block ahead, which a CPU run never does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .. import collectives
@@ -60,23 +58,6 @@ def check_world(world: int, hsdp: int) -> None:
         raise ValueError(
             f"HSDP replicate degree {hsdp} must be a positive divisor of the world size {world}"
         )
-
-
-@contextmanager
-def fake_world(world: int) -> Iterator[None]:
-    """This process as rank 0 of ``world`` ranks on torch's fake backend."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "the planner runs its own fake process group: call it where torch.distributed "
-            "is not initialized (a process of its own)"
-        )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _moved(kind: str, nbytes: int, group: int) -> int:
@@ -132,7 +113,7 @@ def simulate(
     moved: dict[str, int] = {}
     offload = policy.offload
 
-    with fake_world(world):
+    with collectives.fake_world(world):
         if hsdp > 1:
             mesh = hsdp_mesh(hsdp, "cpu")
         else:
