@@ -269,6 +269,8 @@ def main(argv: list[str]) -> int:
         ranks_per_node=args.ranks_per_node,
         matmul_flops=args.matmul_tflops and args.matmul_tflops * 1e12,
     )
+    if hw.device == "cpu" and args.measure:
+        hw = _shared_cores(hw, args.world_size)
     kw: dict[str, Any] = dict(batch_size=batch, seq_len=seq, hsdp=args.hsdp, hardware=hw)
     try:
         if args.budget is not None:
@@ -300,6 +302,29 @@ def main(argv: list[str]) -> int:
     if args.plot:
         plot(best, args.plot)
     return 0
+
+
+def _shared_cores(hw: Any, ranks: int) -> Any:
+    """The CPU's rates were calibrated with one rank per core (two on two): more
+    ranks than cores share them, and each rank computes that much slower."""
+    from dataclasses import replace
+
+    from .main import usable_cpus
+
+    share = min(1.0, usable_cpus() / ranks)
+    if share == 1.0:
+        return hw
+    return replace(
+        hw,
+        matmul_flops=hw.matmul_flops * share,
+        matmul_flops_fp32=hw.matmul_flops_fp32 * share,
+        mem_bw=hw.mem_bw * share,
+        host_mem_bw=hw.host_mem_bw * share,
+        op_overhead=hw.op_overhead / share,
+        view_overhead=hw.view_overhead / share,
+        dtensor_overhead=hw.dtensor_overhead / share,
+        source=hw.source + f"; {ranks} ranks on {usable_cpus()} cores: rates x {share:.2f}",
+    )
 
 
 def _cuda() -> bool:
