@@ -45,7 +45,17 @@ CPU_SUITE = [
     for ac, extra in (("none", []), ("non-reentrant", []), ("none", ["--mp", "bf16"]))
 ]
 
-SUITES = {"h200": H200_SUITE, "cpu": CPU_SUITE}
+# docs/scaling.md's predictions (no measurement): 8 GPUs a node, HSDP over nodes.
+LLAMA_70B = "shardwise_app.models.shapes:llama2_70b"
+SCALING_SUITE = [
+    ["--model", m, "--batch-size", b, "--seq-len", t, "--world-size", str(w), "--hsdp", str(h),
+     "--mp", "bf16", "--ac", "non-reentrant"]
+    for w in (8, 64, 512)
+    for m, b, t in ((GPT_645B, "2", "2048"), (LLAMA_70B, "1", "4096"))
+    for h in (1, max(2, w // 8))
+]  # fmt: skip
+
+SUITES = {"h200": H200_SUITE, "cpu": CPU_SUITE, "scaling": SCALING_SUITE}
 
 
 def run_suite(name: str, out_json: str | None) -> int:
@@ -54,13 +64,14 @@ def run_suite(name: str, out_json: str | None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, argv in enumerate(SUITES[name]):
             out = Path(tmp) / f"{i}.json"
+            measure = [] if name == "scaling" else ["--measure"]
             cmd = [
                 sys.executable,
                 "-m",
                 "shardwise",
                 "plan",
                 *argv,
-                "--measure",
+                *measure,
                 "--json",
                 str(out),
             ]
@@ -68,13 +79,14 @@ def run_suite(name: str, out_json: str | None) -> int:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             row: dict[str, Any] = {"argv": " ".join(argv), "wall_s": time.perf_counter() - t0}
             if proc.returncode == 0 and out.is_file():
-                row.update(_summary(json.loads(out.read_text())))
+                d = json.loads(out.read_text())
+                row.update(_summary(d) if measure else _prediction(d))
             else:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
                 row["failed"] = tail[0][:200]
             rows.append(row)
             print(_line(row), flush=True)
-    table = markdown(rows)
+    table = markdown(rows) if name != "scaling" else predictions_markdown(rows)
     print(table)
     if out_json:
         Path(out_json).write_text(json.dumps({"suite": name, "rows": rows}, indent=2) + "\n")
@@ -97,9 +109,51 @@ def _summary(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _prediction(d: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "predicted_peak_bytes": d["peak_bytes"],
+        "peak_where": d["peak_where"],
+        "peak_by_kind": d["peak_by_kind"],
+        "predicted_step_ms": d["step_ms"],
+        "exposed_comm_ms": d["time"]["exposed_comm_ms"],
+        "bytes_per_rank": d["collectives"]["bytes_per_rank"],
+    }
+
+
+def prediction_row(argv: str, r: dict[str, Any]) -> str:
+    a = argv.split()
+    model = a[a.index("--model") + 1].rpartition(":")[2]
+    w, h = a[a.index("--world-size") + 1], a[a.index("--hsdp") + 1]
+    mesh = f"HSDP {h} x {int(w) // int(h)}" if h != "1" else "FSDP"
+    kinds = r["peak_by_kind"]
+    state = sum(kinds.get(k, 0) for k in ("sharded_params", "grads", "optimizer_state"))
+    moved = sum(r["bytes_per_rank"].values())
+    return (
+        f"| {model} | {w} | {mesh} | {r['predicted_peak_bytes'] / 2**30:.2f} | "
+        f"{state / 2**30:.2f} | {r['peak_where']['phase']} {r['peak_where']['module']} | "
+        f"{r['predicted_step_ms']:.0f} | {r['exposed_comm_ms']:.0f} | {moved / 2**30:.1f} |"
+    )
+
+
+def predictions_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | GPUs | mesh | peak GiB | of it sharded state GiB | peak in | step ms "
+        "| exposed comm ms | GiB moved per GPU per step |",
+        "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| `{r['argv']}` | failed: {r['failed']} | | | | | | | |")
+        else:
+            lines.append(prediction_row(r["argv"], r))
+    return "\n".join(lines)
+
+
 def _line(r: dict[str, Any]) -> str:
     if "failed" in r:
         return f"{r['argv']}: failed: {r['failed']}"
+    if "measured_peak_bytes" not in r:
+        return f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**30:.2f} GiB, step {r['predicted_step_ms']:.0f} ms"
     return (
         f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**20:.1f} vs "
         f"{r['measured_peak_bytes'] / 2**20:.1f} MiB ({r['peak_error_pct']:+.1f}%), step "
