@@ -100,6 +100,7 @@ def lm_loss(model: nn.Module, data: tuple[Any, ...]) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), data[1].flatten())
 
 
-def make_optimizer(model: nn.Module, device: str) -> torch.optim.Optimizer:
-    """AdamW as a training run makes it: foreach on CUDA (torch's default there)."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=device == "cuda")
+def make_optimizer(model: nn.Module, device: str, offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW as a training run makes it: foreach on CUDA (torch's default there), the
+    for-loop on the CPU and for offloaded (host) parameters."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=device == "cuda" and not offload)

@@ -127,7 +127,7 @@ def simulate(
             blocks = apply_policy(model, policy, mesh)
             params = list(model.parameters())
             n_params = sum(p.numel() for p in params)
-            opt = make_optimizer(model, hw.device)
+            opt = make_optimizer(model, hw.device, offload)
             if offload:
                 tracker.mark_host(storages_of([getattr(p, "_local_tensor", p) for p in params]))
             handles = _label_modules(model, blocks, tracker)
