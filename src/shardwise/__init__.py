@@ -16,6 +16,7 @@ from .materialize import materialize
 from .offload import CPUOffloadPolicy, OffloadPolicy
 from .optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from .patch import fsdp2_patched, patch_fsdp2, unpatch_fsdp2
+from .planner import plan
 from .precision import MixedPrecisionPolicy
 from .trace import Tracer, trace
 
@@ -38,6 +39,7 @@ __all__ = [
     "no_sync",
     "optimizer_in_backward",
     "patch_fsdp2",
+    "plan",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "trace",

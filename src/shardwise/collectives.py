@@ -240,6 +240,24 @@ def all_reduce(
 # call to it is made anywhere else (tests/test_layers.py checks).
 
 
+@contextlib.contextmanager
+def fake_world(world: int) -> Iterator[None]:
+    """This process as rank 0 of ``world`` ranks on torch's fake backend (the planner):
+    every collective returns at once and moves nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the planner runs its own fake process group: call it where torch.distributed "
+            "is not initialized (a process of its own)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -30,6 +30,10 @@ COMMANDS = {
         "write a fine-tuned run (--hf) as a folder transformers loads",
     ),
     "bench": ("shardwise_app.bench.command", "measure throughput and memory"),
+    "plan": (
+        "shardwise_app.cli.plan",
+        "predict per-rank memory and step time at any world size (--measure: and check it)",
+    ),
 }
 EXIT_USAGE = 2
 CPU_OVERSUBSCRIPTION = 4  # gloo ranks per CPU core we still accept

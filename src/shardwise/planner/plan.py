@@ -1,0 +1,180 @@
+"""``shardwise.plan``: will this model fit, and how fast will a step be, on N GPUs with this policy?
+
+One call simulates one rank (simulate.py), replays its step against the
+target's rates (timeline.py) and says it as a ``Plan``; with a budget it
+tries the policies a user would (checkpointing, resharding, offload,
+prefetch depth) and returns the fastest that fits. Rank 0 is simulated: it
+holds the most rows when a dimension does not split evenly, so its peak is
+every rank's at most.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch.nn as nn
+
+from .policy import H200, Hardware, Policy
+from .setup import InputFn, LossFn, lm_loss, token_batch
+from .simulate import check_world, simulate
+from .timeline import StepTime, replay
+
+GIB = 1 << 30
+
+
+class NothingFits(ValueError):
+    """No policy tried fits the budget."""
+
+
+@dataclass
+class Plan:
+    """One configuration's prediction, per rank."""
+
+    world_size: int
+    hsdp: int
+    batch_size: int  # sequences per rank per step
+    seq_len: int
+    policy: Policy
+    hardware: Hardware
+    n_params: int
+    peak_bytes: int  # device bytes, allocator rounding included
+    peak_phase: str  # "forward" | "backward" | "optimizer"
+    peak_module: str
+    peak_by_kind: dict[str, int]
+    host_bytes: dict[str, int]  # offloaded state, on the host
+    collectives: dict[str, dict[str, int]]
+    time: StepTime
+    memory_curve: list[tuple[float, int, str]] = field(default_factory=list)  # (ms, bytes, phase)
+
+    @property
+    def step_ms(self) -> float:
+        return self.time.step_s * 1e3
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "hsdp": self.hsdp,
+            "batch_size_per_rank": self.batch_size,
+            "seq_len": self.seq_len,
+            "policy": self.policy.as_dict(),
+            "hardware": self.hardware.as_dict(),
+            "n_params": self.n_params,
+            "peak_bytes": self.peak_bytes,
+            "peak_gib": self.peak_bytes / GIB,
+            "peak_where": {"phase": self.peak_phase, "module": self.peak_module},
+            "peak_by_kind": self.peak_by_kind,
+            "host_bytes": self.host_bytes,
+            "collectives": self.collectives,
+            "step_ms": self.step_ms,
+            "time": self.time.as_dict(),
+        }
+
+
+def _curve(
+    times: list[float], events: list[Any], points: int = 2000
+) -> list[tuple[float, int, str]]:
+    stride = max(1, len(events) // points)
+    return [
+        (times[i] * 1e3, events[i].live, events[i].phase) for i in range(0, len(events), stride)
+    ]
+
+
+def plan(
+    build: Callable[[], nn.Module],
+    world_size: int,
+    *,
+    batch_size: int,
+    seq_len: int,
+    policy: Policy | None = None,
+    hsdp: int = 1,
+    hardware: Hardware = H200,
+    input_fn: InputFn = token_batch,
+    loss_fn: LossFn = lm_loss,
+) -> Plan:
+    """Predict one training step of ``build()``'s model at ``world_size`` ranks.
+
+    ``build`` makes the model (it runs under fake tensors; a model it leaves on
+    the meta device is materialized as fake). Each block (its largest
+    ``nn.ModuleList``'s members) and then the root are ``fully_shard``-ed as
+    ``policy`` says; forward, backward and an AdamW step run on the real
+    runtime under a fake process group. ``batch_size`` is sequences per rank.
+    ``hsdp`` > 1: a ``(hsdp, world_size // hsdp)`` replicate x shard mesh.
+    """
+    policy = policy or Policy()
+    check_world(world_size, hsdp)
+    sim = simulate(
+        build, world_size, policy, hardware, batch_size, seq_len, hsdp, input_fn, loss_fn
+    )
+    t = replay(sim.events, hardware, world_size, policy.offload)
+    return Plan(
+        world_size=world_size,
+        hsdp=hsdp,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        policy=policy,
+        hardware=hardware,
+        n_params=sim.n_params,
+        peak_bytes=sim.peak_bytes,
+        peak_phase=sim.peak_phase,
+        peak_module=sim.peak_module,
+        peak_by_kind=sim.by_kind,
+        host_bytes=sim.host_bytes,
+        collectives=sim.collectives,
+        time=t,
+        memory_curve=_curve(t.times, sim.events),
+    )
+
+
+def candidate_policies(base: Policy) -> list[Policy]:
+    """The choices a budget search tries: checkpointing, resharding, offload, prefetch depth."""
+    out = []
+    for ac, raf, offload, prefetch in itertools.product(
+        ("none", "non-reentrant"), (True, False), (False, True), (1, 2)
+    ):
+        out.append(
+            replace(base, ac=ac, reshard_after_forward=raf, offload=offload, prefetch=prefetch)
+        )
+    return out
+
+
+def _frugality(p: Policy) -> tuple[int, int, int, int]:
+    return (p.ac == "none", p.reshard_after_forward is False, not p.offload, p.prefetch)
+
+
+def fastest_within(
+    build: Callable[[], nn.Module],
+    world_size: int,
+    budget_bytes: int,
+    *,
+    batch_size: int,
+    seq_len: int,
+    policies: Iterable[Policy] | None = None,
+    base: Policy | None = None,
+    **kw: Any,
+) -> tuple[Plan, list[Plan]]:
+    """The fastest predicted policy whose peak fits ``budget_bytes``, and every plan tried.
+
+    Raises ``NothingFits`` (a ``ValueError``) naming the smallest peak seen. The
+    most frugal candidate (checkpointing, resharding, offload, least prefetch) is
+    tried first: if it does not fit, none will, and the search stops there.
+    """
+    todo = list(policies or candidate_policies(base or Policy()))
+    todo.sort(key=_frugality)
+    tried = [plan(build, world_size, batch_size=batch_size, seq_len=seq_len, policy=todo[0], **kw)]
+    if tried[0].peak_bytes <= budget_bytes:
+        tried += [
+            plan(build, world_size, batch_size=batch_size, seq_len=seq_len, policy=p, **kw)
+            for p in todo[1:]
+        ]
+    fits = [p for p in tried if p.peak_bytes <= budget_bytes]
+    if not fits:
+        least = min(tried, key=lambda p: p.peak_bytes)
+        raise NothingFits(
+            f"no policy fits {budget_bytes / GIB:.2f} GiB per rank: the smallest predicted "
+            f"peak is {least.peak_bytes / GIB:.2f} GiB ({least.policy.label()}); raise the "
+            "budget, the world size, or lower the batch size"
+        )
+    return min(fits, key=lambda p: p.time.step_s), tried

@@ -1,0 +1,127 @@
+"""What a plan is asked about: the sharding policy, and the machine it is predicted for.
+
+Why the machine is a value with stated defaults: a predicted step time is only
+as good as the rates behind it, so every rate is a field the caller can read
+in the result and override, and each default says where it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+AC_MODES = ("none", "non-reentrant", "reentrant")
+MP_MODES = ("none", "bf16")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One way to run the step: what ``fully_shard`` and checkpointing are given."""
+
+    mp: str = "none"  # "bf16": bf16 parameters in compute, fp32 gradient reduction
+    ac: str = "none"  # activation checkpointing of every block
+    reshard_after_forward: bool | int = True
+    offload: bool = False  # CPUOffloadPolicy: shards, gradients, optimizer state on the host
+    prefetch: int = 1  # modules gathered ahead
+
+    def check(self) -> None:
+        if self.mp not in MP_MODES:
+            raise ValueError(f"mixed precision must be one of {MP_MODES}, got {self.mp!r}")
+        if self.ac not in AC_MODES:
+            raise ValueError(f"activation checkpointing must be one of {AC_MODES}, got {self.ac!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+
+    def label(self) -> str:
+        raf = self.reshard_after_forward
+        parts = [f"mp={self.mp}", f"ac={self.ac}", f"raf={str(raf).lower()}"]
+        parts += [f"prefetch={self.prefetch}"] + (["offload"] if self.offload else [])
+        return " ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Rates a step's time is predicted from (per rank). Units: FLOP/s, bytes/s, seconds.
+
+    ``matmul_flops``: matrix products in the compute dtype; ``matmul_flops_fp32``
+    without mixed precision. ``mem_bw``: what element-wise kernels stream.
+    ``op_overhead``: the fixed cost of one operator (launch, dispatch).
+    ``intra_bw``/``inter_bw``: a collective's bus bandwidth inside one node of
+    ``ranks_per_node`` ranks / across nodes; ``latency`` per collective.
+    ``host_*``: the CPU, for an offloaded optimizer step; ``h2d_bw`` the copies.
+    ``alloc_round``: the device allocator's block size (allocated bytes are
+    multiples of it).
+    """
+
+    name: str
+    matmul_flops: float
+    matmul_flops_fp32: float
+    mem_bw: float
+    op_overhead: float
+    view_overhead: float  # a view launches no kernel: host time only
+    dtensor_overhead: float  # DTensor's Python dispatch, per operator on DTensors
+    intra_bw: float
+    inter_bw: float
+    latency: float
+    ranks_per_node: int
+    host_mem_bw: float
+    h2d_bw: float
+    alloc_round: int
+    device: str = "cuda"  # what the optimizer defaults to there (foreach on CUDA)
+    source: str = ""
+
+    def with_overrides(self, **kw: Any) -> Hardware:
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# An H200 SXM: datasheet peaks (989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, NVLink 4
+# 450 GB/s a direction; 400 Gb/s InfiniBand = 50 GB/s a GPU), derated to what
+# large kernels and NCCL ring collectives typically reach (about 70%, 83%, 80%, 80%).
+# Replace them with this machine's own figures (--calibrate on the H200).
+H200 = Hardware(
+    name="h200",
+    matmul_flops=700e12,
+    matmul_flops_fp32=50e12,
+    mem_bw=4.0e12,
+    op_overhead=5e-6,
+    view_overhead=0.0,
+    dtensor_overhead=0.0,  # hidden behind the GPU's work
+    intra_bw=360e9,
+    inter_bw=40e9,
+    latency=15e-6,
+    ranks_per_node=8,
+    host_mem_bw=100e9,
+    h2d_bw=45e9,
+    alloc_round=512,
+    source="H200 datasheet peaks, derated (not measured)",
+)
+
+# The 2-core development machine the CPU rows of docs/scaling.md were measured
+# on, per gloo rank with one thread each (calibrate.py).
+THIS_CPU = Hardware(
+    name="cpu",
+    matmul_flops=32.5e9,
+    matmul_flops_fp32=32.5e9,
+    mem_bw=1.31e9,
+    op_overhead=6.6e-6,
+    view_overhead=1.8e-6,
+    dtensor_overhead=95e-6,
+    intra_bw=2e9,
+    inter_bw=2e9,
+    latency=60e-6,
+    ranks_per_node=64,
+    host_mem_bw=1.31e9,
+    h2d_bw=5e9,
+    alloc_round=1,
+    device="cpu",
+    source="calibrate('cpu') on the 2-core development machine, 2 gloo ranks of 1 thread "
+    "running it at once (2026-12-02); gloo bandwidth and latency assumed",
+)
+
+HARDWARE = {"h200": H200, "cpu": THIS_CPU}

@@ -1,0 +1,287 @@
+"""One rank of a world of any size, in this process: the real runtime on fake tensors.
+
+torch's fake process group makes this process rank 0 of ``world`` ranks
+(every collective returns at once and moves nothing) and ``FakeTensorMode``
+makes every tensor shape and dtype only, so shardwise's own hooks, layouts,
+gathers, reductions and frees run exactly as they would at that size, for a
+model of any size, in seconds. Three steps run: the first makes the
+optimizer state and records the orders, the second is recorded (memory and
+operators in order), the third stops at the second's peak to say what the
+live bytes are.
+
+What needs no GPU: all of it. The fake tensors live on the CPU, so the
+runtime takes its CPU paths; for a CUDA target what differs is added from
+the target's figures (the allocator's block rounding, foreach AdamW), and the
+CUDA-only side streams (a collective's copy-in beside compute) are timed, not
+run. One path is not reproduced: at world size 1 on a GPU, a bf16 cast is
+prefetched one block ahead, which a CPU run never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .. import collectives
+from ..api import hsdp_mesh
+from .policy import Hardware, Policy
+from .setup import InputFn, LossFn, apply_policy, lm_loss, make_optimizer, token_batch
+from .timeline import staging_live
+from .tracker import Event, Tracker, saving_as_activations, storages_of
+
+PARAMS, GRADS, OPTIM = "sharded_params", "grads", "optimizer_state"
+
+
+@dataclass
+class Simulation:
+    """What one simulated step saw."""
+
+    events: list[Event]
+    peak_bytes: int
+    peak_index: int
+    peak_phase: str
+    peak_module: str
+    by_kind: dict[str, int]
+    host_bytes: dict[str, int]
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    n_params: int = 0
+
+
+def check_world(world: int, hsdp: int) -> None:
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world size must be a positive int, got {world!r}")
+    if not isinstance(hsdp, int) or hsdp < 1 or world % hsdp:
+        raise ValueError(
+            f"HSDP replicate degree {hsdp} must be a positive divisor of the world size {world}"
+        )
+
+
+def _moved(kind: str, nbytes: int, group: int) -> int:
+    """Bytes one rank sends (and receives) in a ring: (g-1)/g of the whole, twice for all-reduce."""
+    share = nbytes * (group - 1) // group
+    return 2 * share if kind == "all_reduce" else share
+
+
+def _label_modules(model: nn.Module, blocks: list[nn.Module], tracker: Tracker) -> list[Any]:
+    """Name the module running: the blocks and the root's other children, in forward
+    (and a recomputation) by forward hooks, in backward when their outputs' gradients arrive."""
+    names = {id(b): n for n, b in model.named_modules() if b in blocks}
+    for n, m in model.named_children():
+        if not isinstance(m, nn.ModuleList):
+            names.setdefault(id(m), n)
+    handles = []
+    for m in model.modules():
+        name = names.get(id(m))
+        if name is None:
+            continue
+
+        def pre(mod: nn.Module, args: Any, name: str = name) -> None:
+            tracker.module = name
+
+        def post(mod: nn.Module, args: Any, out: Any, name: str = name) -> None:
+            t = out if isinstance(out, torch.Tensor) else None
+            if t is not None and t.requires_grad:
+                t.register_hook(lambda g, name=name: setattr(tracker, "module", name))
+
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    return handles
+
+
+def simulate(
+    build: Callable[[], nn.Module],
+    world: int,
+    policy: Policy,
+    hw: Hardware,
+    batch: int,
+    seq: int,
+    hsdp: int = 1,
+    input_fn: InputFn = token_batch,
+    loss_fn: LossFn = lm_loss,
+) -> Simulation:
+    """Three training steps of ``build()``'s model under ``policy`` at ``world`` ranks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    check_world(world, hsdp)
+    policy.check()
+    tracker = Tracker(hw.alloc_round)
+    tracker.gloo_staging = hw.device == "cpu"
+    whole: dict[str, int] = {}
+    moved: dict[str, int] = {}
+    offload = policy.offload
+
+    with collectives.fake_world(world):
+        if hsdp > 1:
+            mesh = hsdp_mesh(hsdp, "cpu")
+        else:
+            mesh = collectives.device_mesh("cpu", (world,))
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake, tracker, tracker.watching_resize(), saving_as_activations(tracker):
+            torch.manual_seed(0)
+            model = build()
+            if any(p.is_meta for p in model.parameters()):
+                model = model.to_empty(device="cpu")
+            blocks = apply_policy(model, policy, mesh)
+            params = list(model.parameters())
+            n_params = sum(p.numel() for p in params)
+            opt = make_optimizer(model, hw.device, offload)
+            if offload:
+                tracker.mark_host(storages_of([getattr(p, "_local_tensor", p) for p in params]))
+            handles = _label_modules(model, blocks, tracker)
+
+            def grads_to_host() -> None:
+                grads = [p.grad for p in params if p.grad is not None]
+                tracker.mark_host(storages_of([getattr(g, "_local_tensor", g) for g in grads]))
+
+            def observe(rec: Any, pending: Any) -> None:
+                staging = tracker.take_staging()
+                if tracker.events is None:
+                    return
+                share = _moved(rec.kind, rec.nbytes, rec.group_size)
+                if counting:  # the recorded step only (the third stops part way)
+                    whole[rec.kind] = whole.get(rec.kind, 0) + rec.nbytes
+                    moved[rec.kind] = moved.get(rec.kind, 0) + share
+                key = len(tracker.events)  # unique within the step (an id may be reused)
+                tracker.record(
+                    kind="issue",
+                    coll=rec.kind,
+                    nbytes=share,
+                    group=rec.group_size,
+                    key=key,
+                    numel=rec.numel // max(1, rec.group_size),
+                    staging=staging,
+                )
+
+                def done(p: Any) -> None:
+                    if offload:
+                        grads_to_host()
+                    tracker.record(kind="wait", key=key)
+
+                pending.on_done.append(done)
+
+            remove = collectives.add_observer(observe)
+            by_kind: dict[str, int] = {}
+            host: dict[str, int] = {}
+            stop_at = -1
+            counting = False
+
+            def take() -> None:
+                known = _known(params, opt)
+                by_kind.update(tracker.snapshot(known))
+                host.update(tracker.host_bytes(known))
+
+            try:
+                for step in range(3):
+                    recording = counting = step == 1
+                    tracker.events = [] if step >= 1 else None
+                    tracker.peak = 0
+                    stopped = _one_step(
+                        model,
+                        opt,
+                        input_fn,
+                        loss_fn,
+                        batch,
+                        seq,
+                        tracker,
+                        stop_at if step == 2 else -1,
+                        take,
+                    )
+                    if offload:
+                        tracker.mark_host(storages_of(_state_tensors(opt)))
+                        grads_to_host()
+                    if recording:
+                        assert tracker.events is not None
+                        events = tracker.events
+                        staging = staging_live(events)
+                        for e, extra in zip(events, staging):
+                            e.live += extra
+                        peak_index = max(range(len(events)), key=lambda i: events[i].live)
+                        stop_at = peak_index
+                        tracker.staging_now = staging[peak_index]
+                    if stopped:
+                        break
+            finally:
+                remove()
+                for h in handles:
+                    h.remove()
+    at = events[peak_index]
+    return Simulation(
+        events=events,
+        peak_bytes=at.live,
+        peak_index=peak_index,
+        peak_phase=at.phase,
+        peak_module=at.module,
+        by_kind=by_kind,
+        host_bytes=host,
+        collectives={"whole_bytes": whole, "bytes_per_rank": moved},
+        n_params=n_params,
+    )
+
+
+class _Stop(Exception):
+    """The third step reached the recorded peak: what is live now is the answer."""
+
+
+def _one_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    input_fn: InputFn,
+    loss_fn: LossFn,
+    batch: int,
+    seq: int,
+    tracker: Tracker,
+    stop_at: int,
+    at_stop: Callable[[], None],
+) -> bool:
+    events = tracker.events
+    if stop_at >= 0 and events is not None:
+        record = tracker.record
+
+        def stopping(**kw: Any) -> None:
+            record(**kw)
+            if len(events) > stop_at:
+                at_stop()  # before anything unwinds and frees
+                raise _Stop
+
+        tracker.record = stopping  # type: ignore[method-assign]
+    try:
+        tracker.phase, tracker.module = "forward", ""
+        data = input_fn(model, batch, seq)
+        loss = loss_fn(model, data)
+        tracker.phase = "backward"
+        loss.backward()
+        del loss
+        tracker.phase, tracker.module = "optimizer", ""
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return False
+    except _Stop:
+        return True
+    finally:
+        if stop_at >= 0:
+            del tracker.record
+
+
+def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = []
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                out.append(getattr(v, "_local_tensor", v))
+    return out
+
+
+def _known(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> dict[int, str]:
+    known: dict[int, str] = {}
+    for t in _state_tensors(opt):
+        known[id(t.untyped_storage())] = OPTIM
+    for p in params:
+        if p.grad is not None:
+            g = getattr(p.grad, "_local_tensor", p.grad)
+            known[id(g.untyped_storage())] = GRADS
+    for p in params:
+        known[id(getattr(p, "_local_tensor", p).untyped_storage())] = PARAMS
+    return known

@@ -1,0 +1,283 @@
+"""Watching one simulated step: every storage that lives, every operator that runs.
+
+Why a dispatch mode of our own: under fake tensors nothing is allocated, so
+memory is what the step's tensors would hold, summed over live storages.
+Every operator's outputs are registered as they appear (a storage is
+counted once, however many views share it), a finalizer subtracts it when
+the last reference goes, and ``UntypedStorage.resize_`` (how the runtime
+fills and frees gathered parameters without a new tensor) is watched while
+the mode is active. The same pass records each operator's FLOPs and the
+bytes it touches, in order, with the collectives issued and waited for
+between them: ``timeline.py`` replays that order against the rates.
+
+Kinds are known for some storages when they appear (a collective's buffers,
+gathered parameters, tensors autograd saves); parameters, gradients and
+optimizer state are recognised when the caller takes a ``snapshot``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+GATHERED, COMM, ACTIVATION, TEMPORARY = "gathered_params", "comm_buffers", "activations", "temps"
+
+
+@dataclass
+class Event:
+    """One thing that happened, in program order."""
+
+    kind: str  # "op" | "issue" | "wait"
+    live: int  # device bytes live after it
+    phase: str
+    module: str
+    flops: float = 0.0
+    nbytes: int = 0  # op: bytes read and written; issue: what one rank sends and receives
+    matmul: bool = False
+    low_precision: bool = False
+    host: bool = False  # an op on offloaded (host) storages only
+    coll: str = ""  # issue: collective kind
+    group: int = 0  # issue: group size
+    key: int = 0  # issue/wait: which collective
+    numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
+    dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
+    staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
+
+
+def _sdpa_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """Attention as its kernels compute it: 4 b h tq tk d forward, twice that back,
+    half of it when causal (flash kernels skip the masked blocks)."""
+    q, k = args[0], args[1]
+    if "backward" in func.__name__:
+        q, k = args[1], args[2]
+    b, h, tq, d = q.shape[-4:] if q.dim() == 4 else (1, *q.shape[-3:])
+    tk = k.shape[-2]
+    flops = 4.0 * b * h * tq * tk * d * (2.0 if "backward" in func.__name__ else 1.0)
+    causal = kwargs.get("is_causal", False) or (len(args) > 4 and args[4] is True)
+    return flops / 2 if causal else flops
+
+
+def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+    name = func.__name__
+    if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
+        return _sdpa_flops(func, args, kwargs)
+    fn = flop_registry.get(func._overloadpacket)
+    return float(fn(*args, **kwargs, out_val=out)) if fn is not None else 0.0
+
+
+@dataclass
+class _Live:
+    nbytes: int
+    tag: str
+    ref: Any = field(repr=False)
+
+
+class Tracker(TorchDispatchMode):
+    """Counts live storages and records each operator while active."""
+
+    def __init__(self, round_to: int = 1) -> None:
+        super().__init__()
+        self.round_to = max(1, round_to)
+        self.live: dict[int, _Live] = {}
+        self.total = 0
+        self.events: list[Event] | None = None  # recording when a list
+        self.phase = "setup"
+        self.module = ""
+        self.host_storages: set[int] = set()  # offloaded: not device memory
+        self.peak = 0
+        # A CPU target: gloo's own staging buffers (not seen as operators' outputs).
+        self.gloo_staging = False
+        self.unbound: list[int] = []
+        self.staging_now = 0  # at a snapshot: staging buffers live then
+
+    def take_staging(self) -> int:
+        """Bytes of gloo staging of the collective just issued."""
+        n = sum(self.unbound)
+        self.unbound.clear()
+        return n
+
+    # ---- storages ---------------------------------------------------------------------------
+
+    def _size(self, n: int) -> int:
+        r = self.round_to
+        return (n + r - 1) // r * r if n else 0
+
+    def _device_bytes(self, key: int, n: int) -> int:
+        return 0 if key in self.host_storages else n
+
+    def track(self, t: torch.Tensor, tag: str = "") -> None:
+        s = t.untyped_storage()
+        key = id(s)
+        entry = self.live.get(key)
+        if entry is not None:
+            if tag and not entry.tag:
+                entry.tag = tag
+            self._resized(key, s)
+            return
+        n = self._size(s.nbytes())
+        self.live[key] = _Live(n, tag, weakref.ref(s))
+        self.total += self._device_bytes(key, n)
+        weakref.finalize(s, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.total -= self._device_bytes(key, entry.nbytes)
+            self.host_storages.discard(key)
+
+    def _resized(self, key: int, s: Any, tag: str = "") -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        n = self._size(s.nbytes())
+        self.total += self._device_bytes(key, n - entry.nbytes)
+        entry.nbytes = n
+        if tag and n:
+            entry.tag = tag
+
+    def mark_host(self, storages: list[Any]) -> None:
+        for s in storages:
+            key = id(s)
+            if key in self.live and key not in self.host_storages:
+                self.total -= self.live[key].nbytes
+                self.host_storages.add(key)
+
+    def tag(self, t: torch.Tensor, tag: str) -> None:
+        entry = self.live.get(id(t.untyped_storage()))
+        if entry is not None and not entry.tag:
+            entry.tag = tag
+
+    @contextmanager
+    def watching_resize(self) -> Iterator[None]:
+        """Gathered parameters come and go by ``resize_`` of their storage."""
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(s: Any, n: int) -> Any:
+            out = original(s, n)
+            tracker._resized(id(s), s, GATHERED)
+            tracker._note()
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def _note(self) -> None:
+        self.peak = max(self.peak, self.total)
+
+    def record(self, **kw: Any) -> None:
+        self._note()
+        if self.events is not None:
+            self.events.append(Event(live=self.total, phase=self.phase, module=self.module, **kw))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = tree_flatten((args, kwargs))[0]
+        flat_in = _plain(leaves)
+        flat_out = _plain(tree_flatten(out)[0])
+        if func.namespace == "prim":  # metadata (a device query), no kernel
+            return out
+        if func.namespace == "c10d":
+            for t in flat_in + flat_out:
+                self.track(t, COMM)
+            if self.gloo_staging and "allgather" in func.__name__:
+                # gloo gathers into a flat buffer of its own, then copies out
+                # (ProcessGroupGloo's newLikeFlat): live while the work runs on
+                # gloo's thread. The issue event carries it; timeline.py knows how long.
+                outs = _plain(tree_flatten(args[0])[0])  # the outputs come first
+                self.unbound.append(self._size(sum(t.numel() * t.element_size() for t in outs)))
+            return out
+        for t in flat_out:
+            self.track(t)
+        if self.events is None:
+            self._note()
+            return out
+        if func.is_view or not flat_out and not flat_in:
+            nbytes, flops = 0, 0.0
+        else:
+            nbytes = sum(t.numel() * t.element_size() for t in flat_in + flat_out)
+            flops = op_flops(func, args, kwargs, out)
+        host = bool(self.host_storages) and all(
+            id(t.untyped_storage()) in self.host_storages for t in flat_in + flat_out
+        )
+        if host:  # an offloaded optimizer's own temporaries live on the host too
+            self.mark_host(storages_of(flat_out))
+        low = any(t.dtype in (torch.bfloat16, torch.float16) for t in flat_in)
+        dt = any(hasattr(t, "_local_tensor") for t in leaves)
+        self.record(
+            kind="op",
+            flops=flops,
+            nbytes=nbytes,
+            matmul=flops > 0,
+            low_precision=low,
+            host=host,
+            dtensor=dt,
+        )
+        return out
+
+    # ---- what is live, by kind --------------------------------------------------------------
+
+    def snapshot(self, known: dict[int, str]) -> dict[str, int]:
+        """Live device bytes by kind; ``known`` names storages by id (parameters, ...)."""
+        by: dict[str, int] = {}
+        for key, entry in self.live.items():
+            if key in self.host_storages or not entry.nbytes:
+                continue
+            kind = known.get(key) or entry.tag or TEMPORARY
+            by[kind] = by.get(kind, 0) + entry.nbytes
+        if self.staging_now:
+            by[COMM] = by.get(COMM, 0) + self.staging_now
+        return by
+
+    def host_bytes(self, known: dict[int, str]) -> dict[str, int]:
+        by: dict[str, int] = {}
+        for key in self.host_storages:
+            entry = self.live.get(key)
+            if entry is not None:
+                kind = known.get(key, TEMPORARY)
+                by[kind] = by.get(kind, 0) + entry.nbytes
+        return by
+
+
+def saving_as_activations(tracker: Tracker) -> Any:
+    """Autograd's saved tensors tagged as activations (a parameter saved stays a parameter)."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tracker.tag(t, ACTIVATION)
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _plain(items: list[Any]) -> list[torch.Tensor]:
+    """The tensors among ``items``, a DTensor as its local tensor (the mode sees DTensor
+    ops before DTensor turns them into local ones, and not those)."""
+    out = []
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            out.append(t._local_tensor if hasattr(t, "_local_tensor") else t)
+    return out
+
+
+def storages_of(tensors: list[torch.Tensor]) -> list[Any]:
+    return [t.untyped_storage() for t in tensors]
+
+
+Observer = Callable[..., None]

@@ -1,0 +1,208 @@
+"""``shardwise plan --measure``: the predicted configuration run for real, side by side.
+
+Why measured this way: a check of the planner must not share its mechanism.
+The planner counts storages under fake tensors; here the same model and
+policy (``shardwise.planner.setup``, so the build is identical) train on real
+tensors in worker processes our launcher starts (gloo ranks on a CPU, one
+process per GPU on CUDA), and the peak comes from the allocator: on CUDA
+``torch.cuda.max_memory_allocated``, on the CPU the allocation and free
+events ``torch.profiler`` records with ``profile_memory=True`` (the CPU
+allocator reports every one), summed in time order from before the model is
+built. The peak is taken over the second step (the first makes the optimizer
+state); the step time is the median of the three timed steps after it, without the
+profiler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .main import Launch, UsageError, check_nproc, in_worker, init_worker, launch
+
+TIMED_STEPS = 3
+
+
+def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict[str, Any]:
+    """Launch the workers, print predicted vs measured, return the measured figures."""
+    nproc = args.nproc or args.world_size
+    if nproc != args.world_size:
+        raise UsageError(f"--measure runs --world-size ranks here: --nproc {nproc} differs")
+    check_nproc(nproc)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "measured.json"
+        worker_args = _worker_args(args, predicted, seq, batch, out)
+        code = launch("plan", worker_args, Launch(nproc), lambda _id, sig: 128 + sig)
+        if code or not out.is_file():
+            raise SystemExit(code or 1)
+        measured = json.loads(out.read_text())
+    print_comparison(predicted, measured)
+    return measured
+
+
+def _worker_args(args: Any, p: Any, seq: int, batch: int, out: Path) -> dict[str, Any]:
+    pol = p.policy
+    return {
+        "model": args.model,
+        "world_size": args.world_size,
+        "hsdp": args.hsdp,
+        "mp": pol.mp,
+        "ac": pol.ac,
+        "reshard_after_forward": str(pol.reshard_after_forward).lower(),
+        "offload": pol.offload,
+        "prefetch": pol.prefetch,
+        "batch_size": batch,
+        "seq_len": seq,
+        "measure_out": str(out),
+    }
+
+
+def error_pct(pred: float, meas: float) -> float:
+    return 100.0 * (pred - meas) / meas if meas else float("nan")
+
+
+def print_comparison(p: Any, m: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"predicted vs measured ({m['device']}, {m['world_size']} ranks)")
+    for c in ("", "predicted", "measured", "error"):
+        t.add_column(c, justify="right")
+    peak = m["peak_bytes"][0]
+    t.add_row(
+        "peak MiB (rank 0)",
+        f"{p.peak_bytes / 2**20:.2f}",
+        f"{peak / 2**20:.2f}",
+        f"{error_pct(p.peak_bytes, peak):+.1f}%",
+    )
+    t.add_row(
+        "step ms",
+        f"{p.step_ms:.1f}",
+        f"{m['step_ms']:.1f}",
+        f"{error_pct(p.step_ms, m['step_ms']):+.1f}%",
+    )
+    Console().print(t)
+
+
+# ---- inside a worker ------------------------------------------------------------------------
+
+
+def run_worker(args: Any, build: Any) -> int:
+    """One rank: build, shard, train three steps (the second's peak measured), time five."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise import hsdp_mesh
+    from shardwise.planner import Policy
+    from shardwise.planner.setup import apply_policy, lm_loss, make_optimizer, token_batch
+
+    w = init_worker()
+    cuda = w.device.type == "cuda"
+    policy = Policy(args.mp, args.ac, args.reshard_after_forward, args.offload, args.prefetch)
+    mesh = hsdp_mesh(args.hsdp) if args.hsdp > 1 else None
+
+    def step(model: Any, opt: Any, data: Any) -> None:
+        lm_loss(model, data).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    prof = None if cuda else _cpu_profiler()
+    if prof is not None:
+        prof.start()
+    torch.manual_seed(0)
+    with w.device:
+        model = build()
+    if mesh is None:
+        from shardwise.api import default_mesh
+
+        mesh = default_mesh()
+    apply_policy(model, policy, mesh)
+    opt = make_optimizer(model, w.device.type, policy.offload)
+    with w.device:
+        data = token_batch(model, args.batch_size, args.seq_len)
+    step(model, opt, data)  # the optimizer state, the recorded orders
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with torch.profiler.record_function("shardwise_measured_step"):
+        step(model, opt, data)
+    if cuda:
+        torch.cuda.synchronize()
+        peak = int(torch.cuda.max_memory_allocated())
+    else:
+        assert prof is not None
+        prof.stop()
+        peak = _cpu_peak(prof, "shardwise_measured_step")
+    times = []
+    for _ in range(TIMED_STEPS):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(model, opt, data)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peaks: list[Any] = [None] * w.world
+    dist.all_gather_object(peaks, peak)
+    step_s: list[Any] = [None] * w.world
+    dist.all_gather_object(step_s, statistics.median(times))
+    if w.is_main:
+        Path(args.measure_out).write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "world_size": w.world,
+                    "peak_bytes": peaks,
+                    "step_ms": 1e3 * max(float(s) for s in step_s if s is not None),
+                    "step_ms_per_rank": [1e3 * float(s) for s in step_s if s is not None],
+                    "threads_per_rank": torch.get_num_threads(),
+                    "pid": os.getpid(),
+                }
+            )
+        )
+    dist.destroy_process_group()
+    return 0
+
+
+def _cpu_profiler() -> Any:
+    import torch
+
+    return torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
+
+
+def _cpu_peak(prof: Any, window: str) -> int:
+    """Live CPU bytes at their highest inside ``window``: allocations and frees summed in order."""
+    import torch
+
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = list(prof.profiler.kineto_results.events())
+    spans = [e for e in events if e.name() == window]
+    if not spans:
+        raise RuntimeError(f"the profiler recorded no {window!r} span")
+    start = spans[0].start_ns()
+    end = start + spans[0].duration_ns()
+    mem = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and e.device_type() == cpu
+    )
+    live = peak = 0
+    for ts, nbytes in mem:
+        if ts > end:
+            break
+        if ts >= start:
+            peak = max(peak, live, live + nbytes)  # what was live as the window began, too
+        live += nbytes
+    return peak
+
+
+def is_measuring_worker(args: Any) -> bool:
+    return in_worker() and bool(getattr(args, "measure_out", None))

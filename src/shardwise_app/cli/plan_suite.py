@@ -1,0 +1,178 @@
+"""``shardwise plan --suite h200|cpu --json FILE``: predicted vs measured over a set of configurations.
+
+Why one command: the planner's error table in docs/scaling.md must be
+reproducible by one invocation. Each configuration is its own
+``shardwise plan ... --measure`` process (its workers are processes of their
+own too), so every measured peak starts clean. A configuration that fails
+(out of memory, say) is reported as such and the rest go on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GPT_094B = "shardwise_app.models.shapes:gpt_094b"
+GPT_645B = "shardwise_app.models.shapes:gpt_645b"
+
+# One H200: 0.94B GPT (d 2048 x 16) batch 4 x 2048 and 6.45B GPT (d 4096 x 32)
+# batch 2 x 2048, bf16 parameters and fp32 reduction, AdamW.
+H200_SUITE = [
+    [*m, "--mp", "bf16", "--ac", ac, *off]
+    for m, acs in (
+        (
+            ["--model", GPT_094B, "--batch-size", "4", "--seq-len", "2048"],
+            ("none", "non-reentrant"),
+        ),
+        (["--model", GPT_645B, "--batch-size", "2", "--seq-len", "2048"], ("non-reentrant",)),
+    )
+    for ac in acs
+    for off in ([], ["--offload"])
+]
+H200_SUITE = [["--world-size", "1", *c] for c in H200_SUITE]
+
+# This CPU, gloo ranks: the built-in GPTs at sizes a 2-core machine trains in seconds.
+CPU_SUITE = [
+    ["--model", m, "--world-size", str(w), "--batch-size", b, "--seq-len", t, "--ac", ac, *extra]
+    for m, b, t in (("tiny", "8", "128"), ("small", "4", "128"))
+    for w in (2, 4)
+    for ac, extra in (("none", []), ("non-reentrant", []), ("none", ["--mp", "bf16"]))
+]
+
+# docs/scaling.md's predictions (no measurement): 8 GPUs a node, HSDP over nodes.
+LLAMA_70B = "shardwise_app.models.shapes:llama2_70b"
+SCALING_SUITE = [
+    ["--model", m, "--batch-size", b, "--seq-len", t, "--world-size", str(w), "--hsdp", str(h),
+     "--mp", "bf16", "--ac", "non-reentrant"]
+    for w in (8, 64, 512)
+    for m, b, t in ((GPT_645B, "2", "2048"), (LLAMA_70B, "1", "4096"))
+    for h in (1, max(2, w // 8))
+]  # fmt: skip
+
+SUITES = {"h200": H200_SUITE, "cpu": CPU_SUITE, "scaling": SCALING_SUITE}
+
+
+def run_suite(name: str, out_json: str | None) -> int:
+    rows: list[dict[str, Any]] = []
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, argv in enumerate(SUITES[name]):
+            out = Path(tmp) / f"{i}.json"
+            measure = [] if name == "scaling" else ["--measure"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "shardwise",
+                "plan",
+                *argv,
+                *measure,
+                "--json",
+                str(out),
+            ]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            row: dict[str, Any] = {"argv": " ".join(argv), "wall_s": time.perf_counter() - t0}
+            if proc.returncode == 0 and out.is_file():
+                d = json.loads(out.read_text())
+                row.update(_summary(d) if measure else _prediction(d))
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+                row["failed"] = tail[0][:200]
+            rows.append(row)
+            print(_line(row), flush=True)
+    table = markdown(rows) if name != "scaling" else predictions_markdown(rows)
+    print(table)
+    if out_json:
+        Path(out_json).write_text(json.dumps({"suite": name, "rows": rows}, indent=2) + "\n")
+        Path(out_json).with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+def _summary(d: dict[str, Any]) -> dict[str, Any]:
+    m = d["measured"]
+    peak = m["peak_bytes"][0]
+    return {
+        "predicted_peak_bytes": d["peak_bytes"],
+        "measured_peak_bytes": peak,
+        "peak_error_pct": 100.0 * (d["peak_bytes"] - peak) / peak,
+        "predicted_step_ms": d["step_ms"],
+        "measured_step_ms": m["step_ms"],
+        "step_error_pct": 100.0 * (d["step_ms"] - m["step_ms"]) / m["step_ms"],
+        "peak_where": d["peak_where"],
+        "device": m["device"],
+    }
+
+
+def _prediction(d: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "predicted_peak_bytes": d["peak_bytes"],
+        "peak_where": d["peak_where"],
+        "peak_by_kind": d["peak_by_kind"],
+        "predicted_step_ms": d["step_ms"],
+        "exposed_comm_ms": d["time"]["exposed_comm_ms"],
+        "bytes_per_rank": d["collectives"]["bytes_per_rank"],
+    }
+
+
+def prediction_row(argv: str, r: dict[str, Any]) -> str:
+    a = argv.split()
+    model = a[a.index("--model") + 1].rpartition(":")[2]
+    w, h = a[a.index("--world-size") + 1], a[a.index("--hsdp") + 1]
+    mesh = f"HSDP {h} x {int(w) // int(h)}" if h != "1" else "FSDP"
+    kinds = r["peak_by_kind"]
+    state = sum(kinds.get(k, 0) for k in ("sharded_params", "grads", "optimizer_state"))
+    moved = sum(r["bytes_per_rank"].values())
+    return (
+        f"| {model} | {w} | {mesh} | {r['predicted_peak_bytes'] / 2**30:.2f} | "
+        f"{state / 2**30:.2f} | {r['peak_where']['phase']} {r['peak_where']['module']} | "
+        f"{r['predicted_step_ms']:.0f} | {r['exposed_comm_ms']:.0f} | {moved / 2**30:.1f} |"
+    )
+
+
+def predictions_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | GPUs | mesh | peak GiB | of it sharded state GiB | peak in | step ms "
+        "| exposed comm ms | GiB moved per GPU per step |",
+        "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| `{r['argv']}` | failed: {r['failed']} | | | | | | | |")
+        else:
+            lines.append(prediction_row(r["argv"], r))
+    return "\n".join(lines)
+
+
+def _line(r: dict[str, Any]) -> str:
+    if "failed" in r:
+        return f"{r['argv']}: failed: {r['failed']}"
+    if "measured_peak_bytes" not in r:
+        return f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**30:.2f} GiB, step {r['predicted_step_ms']:.0f} ms"
+    return (
+        f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**20:.1f} vs "
+        f"{r['measured_peak_bytes'] / 2**20:.1f} MiB ({r['peak_error_pct']:+.1f}%), step "
+        f"{r['predicted_step_ms']:.1f} vs {r['measured_step_ms']:.1f} ms ({r['step_error_pct']:+.1f}%)"
+    )
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| configuration | peak predicted MiB | measured MiB | error | step predicted ms | measured ms | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| `{r['argv']}` | failed: {r['failed']} | | | | | |")
+            continue
+        lines.append(
+            f"| `{r['argv']}` | {r['predicted_peak_bytes'] / 2**20:.2f} | "
+            f"{r['measured_peak_bytes'] / 2**20:.2f} | {r['peak_error_pct']:+.1f}% | "
+            f"{r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} | {r['step_error_pct']:+.1f}% |"
+        )
+    return "\n".join(lines)
