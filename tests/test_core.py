@@ -648,7 +648,7 @@ def test_recorded_order_prefetches_the_next_distinct_gathering_modules() -> None
     assert ExecutionOrder(order, depth).targets[0] == []  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4, 16])  # 16: past PIECES_UP_TO
 def test_gradient_copy_in_lays_out_rank_major_like_chunk_cat(world: int) -> None:
     """The copy-in before a reduce-scatter: each rank's rows of every gradient, in
     order, cast to the reduce dtype; the same bytes as ``torch._chunk_cat`` on
@@ -657,10 +657,11 @@ def test_gradient_copy_in_lays_out_rank_major_like_chunk_cat(world: int) -> None
     from shardwise.reduce import _copy_in
 
     g = torch.Generator().manual_seed(0)
-    even = [torch.randn(s, generator=g, dtype=torch.bfloat16) for s in [(8, 3), (4,), (12, 2)]]
+    shapes = [(16, 3), (16,), (32, 2)]  # even at every world size here
+    even = [torch.randn(s, generator=g, dtype=torch.bfloat16) for s in shapes]
     cases = {
         "even": even,
-        "transposed": [*even[:2], torch.randn(2, 12, generator=g, dtype=torch.bfloat16).t()],
+        "transposed": [*even[:2], torch.randn(2, 32, generator=g, dtype=torch.bfloat16).t()],
         "uneven": [*even, torch.randn(world * 2 + 1, 3, generator=g, dtype=torch.bfloat16)],
         # nn.Linear(0, 5).weight: nothing to send, beside an uneven split
         "empty": [

@@ -207,25 +207,37 @@ class ReduceJob:
         return collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide)
 
 
+# Ranks up to which the copy-in copies each rank's piece apart (``_copy_in``).
+PIECES_UP_TO = 8
+
+
 def _copy_in(filled: list[torch.Tensor], slots: list[int], out: torch.Tensor) -> None:
     """Lay ``filled`` out rank-major in ``out`` (``[world, sum(slots)]``), cast on the way.
 
     Where every tensor splits evenly into contiguous pieces, one per rank (its
-    rows), one ``_foreach_copy_`` of the pieces (at one rank, of the tensors
-    themselves, contiguous or not). ``_chunk_cat``, which also pads uneven
-    splits, ran slower with a bf16 to fp32 cast on an H200: 1.9x at two and
-    1.6x at four ranks, 10-14x at one (docs/bench/grad_cast_probe_s8.json).
-    The views come from one ``split`` per rank: this runs once per module per
-    backward, and on a small model the host's time is the step's.
+    rows), one ``_foreach_copy_``: up to ``PIECES_UP_TO`` ranks of the pieces,
+    above it of each tensor into its strided ``[world, slot]`` column of
+    ``out`` (at one rank, of the tensors themselves, contiguous or not).
+    ``_chunk_cat``, which also pads uneven splits, ran slower with a bf16 to
+    fp32 cast on an H200: 1.9x at two and 1.6x at four ranks, 10-14x at one;
+    the strided columns 2.1x at two (docs/bench/grad_cast_probe_s8.json).
+    The pieces are world views per tensor, host time that grows with the
+    world (at 1024 ranks it was most of the step: docs/scaling.md), so they
+    stop at one node's ranks. The Python calls here are per tensor, never per
+    rank: this runs once per module per backward, and on a small model the
+    host's time is the step's.
     """
     world = out.shape[0]
     if world == 1 and all(t.numel() == s for t, s in zip(filled, slots)):
         dsts = [d.view(t.shape) for d, t in zip(out.view(-1).split(slots), filled)]
         torch._foreach_copy_(dsts, filled)
     elif all(t.is_contiguous() and t.numel() == world * s for t, s in zip(filled, slots)):
-        pieces = [t.view(world, s).unbind(0) for t, s in zip(filled, slots)]
-        dsts = [d for row in out.unbind(0) for d in row.split(slots)]
-        torch._foreach_copy_(dsts, [p[r] for r in range(world) for p in pieces])
+        srcs = [t.view(world, s) for t, s in zip(filled, slots)]
+        dsts = list(out.split(slots, dim=1))
+        if world <= PIECES_UP_TO:
+            srcs = [piece for t in srcs for piece in t.unbind(0)]
+            dsts = [piece for d in dsts for piece in d.unbind(0)]
+        torch._foreach_copy_(dsts, srcs)
     else:  # an empty parameter (slot 0) holds no column; _chunk_cat refuses it
         torch._chunk_cat([t for t in filled if t.numel()], dim=0, num_chunks=world, out=out)
 

@@ -64,6 +64,17 @@ def main(argv: list[str]) -> int:
     check_fault_arguments(args)
     config = resolve(args, world=where.world)
     out = Path(config["out"])
+    if where.node_rank:
+        # Another node's launcher: node 0's holds the run folder and its lock,
+        # and its config is the run's (the workers take rank 0's). This one
+        # only checked the flags, and writes nothing.
+        os.environ[CONFIG_ENV] = json.dumps(config)
+        return launch(
+            "train",
+            {"out": out, "timeout": args.timeout},
+            where,
+            on_signal=lambda _, signum: 128 + signum,
+        )
     _lock, created = create_and_lock(out, "--out", new_run=is_new_run(config))
     try:
         for name in remove_unfinished_saves(out):
@@ -135,7 +146,9 @@ def _train(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
     from . import finetune
 
     if CONFIG_ENV in os.environ:
-        cfg = json.loads(os.environ[CONFIG_ENV])  # our launcher resolved it and holds the lock
+        # Our launcher resolved it and holds the lock; with several nodes, node
+        # 0's (rank 0's) is the run's: one run folder, one seed, one data order.
+        cfg = from_rank0(lambda: json.loads(os.environ[CONFIG_ENV]), "train")
     else:  # started by torchrun directly: rank 0 does what our launcher would have done
 
         def resolve_and_lock() -> dict[str, Any]:

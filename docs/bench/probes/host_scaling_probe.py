@@ -1,0 +1,303 @@
+"""Host time per module per step at any world size: shardwise vs FSDP2 under torch's fake process group.
+
+Why the fake group: it makes one process rank 0 of a world of any size, so the
+runtime's own host code (hooks, layouts, copy-ins, the orders) runs as it
+would at that size, on one CPU. A Python loop over ranks per parameter per
+step is invisible at 2 ranks and dominant at 1024; this shows whether one is
+left, beside FSDP2 (``torch.distributed.fsdp.fully_shard``) on the same model
+and group.
+
+What is timed: a training step (forward, backward, SGD step, zero_grad) of a
+stack of small blocks on CPU tensors, so host time is most of it. Every
+parameter's dim 0 is 1024 (it splits evenly over every world size here), so
+the gathered parameters, the compute and the bytes are the same at every size.
+The fake group's collectives are not free: in torch 2.13 each all-gather copies
+its input into every rank's chunk of the output (one ``copy_`` per rank, in
+C++: the backend's cost, which a real NCCL does not have on the host). The
+time inside ``dist.all_gather_single`` / ``reduce_scatter_single`` /
+``all_reduce`` (torch's c10d wrapper and the backend) is therefore measured
+and reported apart; "host" is the step less that. "over bare" is host less
+the same model's step unsharded, per module: what the runtime adds.
+
+Each (implementation, world) runs in a process of its own (one process group
+per process), interleaved: every round runs every world size and
+implementation once, in a rotated order. Per run: warm-up steps, then the
+median step of many; per cell: min and median over the rounds, and the spread
+(max - min) / median.
+
+Bookkeeping memory: Python bytes (tracemalloc: Python objects, not tensor
+storage) and Python objects (gc) that ``fully_shard`` and two training steps
+leave alive, per parameter; and the tensor objects among them.
+
+Usage: python docs/bench/probes/host_scaling_probe.py [--rounds 5] [--steps 40]
+  [--worlds 2,8,64,512,1024] [--json OUT] [--profile]
+(``PYTHONPATH=src``; ``--profile`` prints shardwise's cProfile top entries at
+the smallest and largest world size instead of timing.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+
+HIDDEN = 1024  # every parameter's dim 0
+WIDTH = 16
+BLOCKS = 16
+BATCH = 4
+
+
+def build():
+    import torch
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(WIDTH, HIDDEN)  # (1024, 16), (1024,)
+            self.scale = nn.Parameter(torch.ones(HIDDEN))
+            self.down = nn.Parameter(torch.randn(HIDDEN, WIDTH) / HIDDEN**0.5)
+
+        def forward(self, x):
+            return x + (torch.relu(self.up(x)) * self.scale) @ self.down
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(BLOCKS)])
+
+
+_in_collectives = [0.0]
+
+
+class _Done:
+    """A finished collective's work handle (``--skip-collectives``)."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _timed(fn, skip: bool):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            if skip:
+                return _Done() if kwargs.get("async_op") else None
+            return fn(*args, **kwargs)
+        finally:
+            _in_collectives[0] += time.perf_counter() - start
+
+    return wrapper
+
+
+def _tensors() -> int:
+    import torch
+
+    # type(), not isinstance: gc holds deprecated proxies that warn on __class__
+    return sum(issubclass(type(o), torch.Tensor) for o in gc.get_objects())
+
+
+def one(impl: str, world: int, steps: int, profile: bool, skip: bool = False) -> dict:
+    """One run in this process: ``impl`` ("shardwise", "fsdp2", "bare") at ``world`` ranks."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # Before shardwise is imported: collectives.py binds these at import; FSDP2
+    # looks them up at each call.
+    for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+        setattr(dist, name, _timed(getattr(dist, name), skip))
+    torch.set_num_threads(1)
+    # Skipped gathers leave their outputs as allocated: no slow denormals in them.
+    torch.set_flush_denormal(True)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    import shardwise
+    from torch.distributed.fsdp import fully_shard
+
+    x = torch.randn(BATCH, WIDTH)
+    warm = build()  # torch's own first-step work, outside what is counted
+    warm(x).sum().backward()
+    torch.optim.SGD(warm.parameters(), lr=1e-3).step()
+    del warm
+    model = build()
+    nparams = len(list(model.parameters()))
+    gc.collect()
+    tracemalloc.start()
+    before_bytes = tracemalloc.get_traced_memory()[0]
+    before_objs = len(gc.get_objects())
+    before_tensors = _tensors()
+    shard = {"shardwise": shardwise.fully_shard, "fsdp2": fully_shard}.get(impl)
+    if shard is not None:
+        for block in model:
+            shard(block)
+        shard(model)
+    gc.collect()
+    sharded_bytes = tracemalloc.get_traced_memory()[0] - before_bytes
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    gc.collect()
+    held_bytes = tracemalloc.get_traced_memory()[0] - before_bytes
+    tracemalloc.stop()
+    objs = len(gc.get_objects()) - before_objs
+    tensors = _tensors() - before_tensors
+    for _ in range(3):
+        step()
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(steps):
+            step()
+        pr.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(pr, stream=out)
+        calls = stats.total_calls // steps  # type: ignore[attr-defined]
+        stats.sort_stats("tottime").print_stats(12)
+        return {"calls_per_step": calls, "profile": out.getvalue()}
+    times, coll = [], []
+    for _ in range(steps):
+        _in_collectives[0] = 0.0
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        coll.append(_in_collectives[0])
+    dist.destroy_process_group()
+    host = sorted(t - c for t, c in zip(times, coll))
+    return {
+        "step_ms": statistics.median(times) * 1e3,
+        "coll_ms": statistics.median(coll) * 1e3,
+        "host_ms": statistics.median(host) * 1e3,
+        "py_bytes_per_param": held_bytes / nparams,
+        "py_bytes_per_param_sharded": sharded_bytes / nparams,
+        "py_objects_per_param": objs / nparams,
+        "tensors_per_param": tensors / nparams,
+    }
+
+
+def child(impl: str, world: int, steps: int, profile: bool = False, skip: bool = False) -> dict:
+    cmd = [sys.executable, __file__, "--one", impl, str(world), "--steps", str(steps)]
+    cmd += ["--profile"] * profile + ["--skip-collectives"] * skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def spread(xs: list[float]) -> float:
+    return (max(xs) - min(xs)) / statistics.median(xs)
+
+
+MODES = {
+    "skip": "collectives skipped (the runtime's own host time)",
+    "fake": "the fake backend's collectives run (host = step less the time inside them)",
+}
+
+
+def table(runs: dict, mode: str, worlds: list[int], bare_med: float) -> list[dict]:
+    rows = []
+    print(f"\n{MODES[mode]}:\n")
+    head = (
+        "| world | impl | host us/module/step min | median | spread | over bare (median) "
+        "| in collectives ms/step | whole step ms | Python bytes/param: sharded, +2 steps "
+        "| objects/param | tensors/param |"
+    )
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for w in worlds:
+        for impl in ("shardwise", "fsdp2"):
+            rs = runs[(mode, impl, w)]
+            host = [x["host_ms"] / BLOCKS * 1e3 for x in rs]  # us per module
+            x = {
+                "mode": mode,
+                "impl": impl,
+                "world": w,
+                "host_us": host,
+                "host_us_min": min(host),
+                "host_us_median": statistics.median(host),
+                "host_spread": spread(host),
+                "over_bare_us_median": statistics.median(host) - bare_med,
+                "coll_ms_median": statistics.median(x["coll_ms"] for x in rs),
+                "step_ms_median": statistics.median(x["step_ms"] for x in rs),
+                **{k: v for k, v in rs[0].items() if "per_param" in k},
+            }
+            rows.append(x)
+            print(
+                f"| {w} | {impl} | {x['host_us_min']:.0f} | {x['host_us_median']:.0f} "
+                f"| {x['host_spread']:.0%} | {x['over_bare_us_median']:.0f} "
+                f"| {x['coll_ms_median']:.1f} | {x['step_ms_median']:.1f} "
+                f"| {x['py_bytes_per_param_sharded']:.0f}, {x['py_bytes_per_param']:.0f} "
+                f"| {x['py_objects_per_param']:.1f} | {x['tensors_per_param']:.1f} |"
+            )
+    print()
+    for impl in ("shardwise", "fsdp2"):
+        lo = next(x for x in rows if x["impl"] == impl and x["world"] == worlds[0])
+        hi = next(x for x in rows if x["impl"] == impl and x["world"] == worlds[-1])
+        print(
+            f"{impl}: host time per module, world {worlds[-1]} / world {worlds[0]}: "
+            f"{hi['host_us_median'] / lo['host_us_median']:.3f}x (medians), "
+            f"{hi['host_us_min'] / lo['host_us_min']:.3f}x (minima)"
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--worlds", default="2,8,64,512,1024")
+    ap.add_argument("--modes", default="skip,fake")
+    ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--one", nargs=2)
+    ap.add_argument("--skip-collectives", dest="skip", action="store_true")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one[0], int(args.one[1]), args.steps, args.profile, args.skip)))
+        return
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if args.profile:
+        for w in (worlds[0], worlds[-1]):
+            r = child("shardwise", w, 5, profile=True, skip=True)
+            print(f"== shardwise, world {w}, collectives skipped: {r['calls_per_step']} calls/step")
+            print(r["profile"])
+        return
+    modes = args.modes.split(",")
+    cells = [(m, i, w) for w in worlds for m in modes for i in ("shardwise", "fsdp2")]
+    cells.append(("skip", "bare", worlds[0]))
+    runs: dict[tuple, list[dict]] = {c: [] for c in cells}
+    for r in range(args.rounds):
+        k = r * 3 % len(cells)  # a rotated order each round
+        for mode, impl, w in cells[k:] + cells[:k]:
+            runs[(mode, impl, w)].append(child(impl, w, args.steps, skip=mode == "skip"))
+            done = runs[(mode, impl, w)][-1]["host_ms"]
+            print(f"round {r} {mode} {impl} {w}: {done:.2f} ms", file=sys.stderr)
+    bare = [x["host_ms"] / BLOCKS * 1e3 for x in runs[("skip", "bare", worlds[0])]]
+    bare_med = statistics.median(bare)
+    print(
+        f"{BLOCKS} blocks of 4 parameters (dim 0: {HIDDEN}), batch {BATCH} x {WIDTH}, SGD; "
+        f"{args.rounds} rounds x {args.steps} steps (after 5 warm-up steps)\n"
+        f"bare model (unsharded): {min(bare):.0f} / {bare_med:.0f} us per module per step "
+        f"(min / median), spread {spread(bare):.0%}"
+    )
+    rows = [row for m in modes for row in table(runs, m, worlds, bare_med)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "bare_us": bare, "rounds": args.rounds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
