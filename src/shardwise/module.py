@@ -211,16 +211,24 @@ class ModuleState:
             if not self.group.attached and not later:
                 # (In a group, the first module's inputs get their gradients last.)
                 args, kwargs = _AfterInputGrads.wrap(self, args, kwargs)
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """The mixed-precision policy's input cast (``cast_forward_inputs``)."""
         policy = self.mp_policy
         if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
         return args, kwargs
 
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
+            output = cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         ctx = self.context
         assert ctx is not None
-        if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
-            output = cast_floats(output, self.mp_policy.output_dtype)
+        output = self._cast_output(output)
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             # Bound to this forward's attachment: another forward (a no-grad
@@ -353,7 +361,8 @@ class ModuleState:
         own = {id(m) for m in self.modules}  # their own hooks gather already
         parts = {id(m): m for sp in group.params for m, _ in sp.locations if id(m) not in own}
         for m in parts.values():
-            self._part_hooks.append(m.register_forward_pre_hook(outside_compile(self._before_part)))
+            pre = m.register_forward_pre_hook(outside_compile(self._before_part), with_kwargs=True)
+            self._part_hooks.append(pre)
             self._part_hooks.append(m.register_forward_hook(outside_compile(self._after_part)))
 
     def forget_part(self) -> None:
@@ -366,14 +375,16 @@ class ModuleState:
         self._part_hooks = []
         self._part = None
 
-    def _before_part(self, part: nn.Module, args: Any) -> None:
+    def _before_part(self, part: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Gather the root for a call of ``part`` on its own, and cast its inputs as
+        the root's pre-forward would: the part computes in ``param_dtype`` too."""
         ctx = self.context
         if ctx is None or self._part is not None or self.phase is not Phase.IDLE:
-            return  # inside a part already, or this module is in use
+            return None  # inside a part already, or this module is in use
         if ctx.in_forward or ctx.phase is Phase.BACKWARD or self.group is None:
-            return  # the root's own hooks gathered it
+            return None  # the root's own hooks gathered it
         if self.group.state is GroupState.UNSHARDED:
-            return
+            return None
         self._part = part
         if ctx.check:
             ctx.log(f"{self.label}: gathered for its part {type(part).__name__}")
@@ -381,11 +392,13 @@ class ModuleState:
         self._gather(ctx.forward_needs(self) or [])  # nothing to prefetch: counts a forward
         if torch.is_grad_enabled():
             self._attach()
+        return self._cast_inputs(args, kwargs)
 
-    def _after_part(self, part: nn.Module, args: Any, output: Any) -> None:
+    def _after_part(self, part: nn.Module, args: Any, output: Any) -> Any:
         if self._part is not part or self.group is None:
-            return
+            return None
         self._part = None
+        output = self._cast_output(output)
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             hook = functools.partial(self._pre_backward, self.group.attachment)
@@ -398,6 +411,7 @@ class ModuleState:
             self.reshard_after_forward
         ):
             self.group.reshard()
+        return output
 
     def _attach(self) -> None:
         """Hand out this forward's autograd-tracked parameters (``_Unsharded``)."""
