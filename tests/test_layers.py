@@ -141,3 +141,15 @@ def test_no_optimizer_hook_at_import() -> None:
         "assert len(o._global_optimizer_post_hooks) == before, 'a hook at import'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_reduce_job_is_told_everything_it_needs() -> None:
+    """A reduction's caller decides whether this backward is the last and where
+    offloaded downloads are listed: no default stands in for either."""
+    import inspect
+
+    from shardwise.reduce import ReduceJob
+
+    params = list(inspect.signature(ReduceJob).parameters.values())
+    defaulted = [p.name for p in params if p.default is not inspect.Parameter.empty]
+    assert not defaulted, f"ReduceJob's {defaulted} have defaults that no caller relies on"

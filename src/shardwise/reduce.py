@@ -36,8 +36,8 @@ class ReduceJob:
         group: ParamGroup,
         grads: list[torch.Tensor | None],
         used: list[bool],
-        last_backward: bool = True,
-        downloads: list[Any] | None = None,
+        last_backward: bool,
+        downloads: list[Any] | None,
     ):
         """``last_backward``: this backward ends the microbatches (only then does
         optimizer_in_backward step; decided now, since an earlier microbatch's job
