@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.autograd.graph import increment_version
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import collectives
@@ -53,17 +54,24 @@ class GroupState(Enum):
 
 
 class _OptimizerSteps:
-    """How many optimizer steps ran since shardwise first sharded a module.
+    """What optimizer steps changed, so that a group kept gathered gathers again.
 
     Why: a group kept gathered across a step (``set_reshard_after_backward(False)``,
-    an explicit ``unshard()``) must gather again, and foreach and fused
-    optimizer kernels bump no version counter that would say so
-    (``ParamGroup.stale``). One counter for the process, registered when the
-    first group is built (not at import) and O(1) per step: it touches no
-    parameter. The price: a step of another optimizer, over other parameters,
-    also makes such a kept group gather again (correct, once more than needed).
-    optimizer_in_backward's own steps are not counted: they run mid-backward
-    and reshard what they step themselves.
+    ``reshard_after_forward=False``, an explicit ``unshard()``) must gather the
+    new values, and foreach and fused optimizer kernels bump no version counter
+    that would say so (``ParamGroup.stale``). Registered when the first group
+    is built (not at import).
+
+    A step outside backward (the caller's ``optimizer.step()``) adds one to a
+    counter for the process, O(1): it touches no parameter, and every kept
+    group gathers again (a step of another optimizer over other parameters
+    too: once more than needed, never stale). A step inside backward (torch's
+    idiom, one optimizer per parameter stepped in its post-accumulate-grad
+    hook) bumps the version of each parameter it holds instead, as an in-place
+    update through autograd would: it steps one module's parameters while other
+    modules are kept gathered for their own backward, which must not gather
+    again. optimizer_in_backward's own steps are not counted: they reshard
+    what they step themselves.
     """
 
     count = 0
@@ -76,8 +84,12 @@ class _OptimizerSteps:
 
     @classmethod
     def _stepped(cls, optimizer: Any, *args: Any) -> None:
-        if not getattr(optimizer, "_shardwise_shadow", False):
+        if getattr(optimizer, "_shardwise_shadow", False):
+            return
+        if torch._C._current_graph_task_id() == -1:
             cls.count += 1
+        else:
+            increment_version([p for pg in optimizer.param_groups for p in pg["params"]])
 
 
 @dataclass(frozen=True)
