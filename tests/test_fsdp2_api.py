@@ -306,11 +306,11 @@ def check_backend_specific_errors(rank: int, world: int) -> None:
         return torch.empty(numel, dtype=dtype)
 
     symmetric.symmetric = True  # type: ignore[attr-defined]
-    group.comm_alloc = symmetric
+    group.use_comm_alloc(symmetric)
     with pytest.raises(ValueError, match="symmetric memory"):
         model.set_reduce_scatter_max_input_buffers(2)
     assert model._shardwise_state.max_reduces_in_flight == 1
-    group.comm_alloc = None
+    group.use_comm_alloc(None)
     bad = [
         (lambda: model.set_gradient_divide_factor(0), ValueError),
         (lambda: model.set_requires_all_reduce("no"), TypeError),

@@ -162,7 +162,7 @@ def fully_shard(
     state = ModuleState(modules, raf, policy, prefetch, label, bool(check))
     if named:
         state.group = ParamGroup(named, mesh, policy, label, tp, dims, offload)
-        state.group.post_forward_group = smaller
+        state.group.use_post_forward_group(smaller)
         _groups.add(state.group)
     for _, p, _ in named:
         _taken[id(p)] = weakref.ref(p)

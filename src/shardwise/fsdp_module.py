@@ -115,8 +115,7 @@ class FSDPModule(_TorchFSDPModule):
         for s in self._sharded_states(recurse):
             s.reshard_after_forward = s.reshard_after_forward_setting = reshard_after_forward
             if s.group is not None:
-                s.group.post_forward_group = None  # as FSDP2: a bool replaces an int
-                s.group.drop_kept()
+                s.group.use_post_forward_group(None)  # as FSDP2: a bool replaces an int
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -227,7 +226,7 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"set_custom_all_gather expects a callable, got {comm!r}")
         _no_comm_alloc(self._groups(recurse=False), "set_custom_all_gather")
         for g in self._groups(recurse=False):
-            g.custom_all_gather = comm
+            g.use_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` sums this
@@ -281,7 +280,7 @@ class FSDPModule(_TorchFSDPModule):
                 collectives.process_group_allocator(g.shard_group, g.device) for g in groups
             ]
         for i, g in enumerate(groups):
-            g.comm_alloc = allocators[i] if flag else None
+            g.use_comm_alloc(allocators[i] if flag else None)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Gather outputs and reduction buffers in symmetric memory (NCCL only; refused
@@ -302,7 +301,7 @@ class FSDPModule(_TorchFSDPModule):
         groups = self._groups(recurse=False)
         _no_custom_comm(groups, "set_symm_mem_for_comm")
         for g in groups:
-            g.comm_alloc = collectives.symmetric_allocator(g.shard_group, g.device)
+            g.use_comm_alloc(collectives.symmetric_allocator(g.shard_group, g.device))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise RuntimeError(
