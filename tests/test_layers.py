@@ -81,7 +81,15 @@ def test_the_command_without_its_extra_says_how_to_install(tmp_path: Path) -> No
 RUNTIME = LIBRARY
 # The layers a step goes down through (docs/design.md): what sits below never
 # imports what sits above, so it cannot call up into it.
-BELOW_THE_HOOKS = ["param_group", "flat_shard", "sharded_param", "reduce", "collectives"]
+BELOW_THE_HOOKS = [
+    "param_group",
+    "flat_shard",
+    "sharded_param",
+    "gather",
+    "reduce",
+    "settings",
+    "collectives",
+]
 ABOVE = {"module", "context", "fsdp_module", "api", "optimizer_in_backward"}
 
 

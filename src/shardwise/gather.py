@@ -83,7 +83,7 @@ class CastBeside(Gather):
         with collectives.side_stream("gather", g.device), label("gather"):
             g.unsharded_flat.copy_(g.flat.to(g.device, non_blocking=True))
             work = collectives.StreamWork(g.device)
-        kind = "cast" if g.offload_policy is None else "upload"
+        kind = "cast" if g.settings.offload_policy is None else "upload"
         return collectives.Pending(work, label=g.label, kind=kind)
 
 
@@ -135,7 +135,7 @@ class RankMajor(Gather):
                     # also casts would cast on the CPU first).
                     src.copy_(g.flat.to(g.device, non_blocking=True))
                 pending = collectives.all_gather(
-                    out, src, g.shard_group, g.label, g.custom_all_gather
+                    out, src, g.shard_group, g.label, g.settings.custom_all_gather
                 )
         self.buffers = (src, out)
         return pending
@@ -175,7 +175,7 @@ class AfterForwardPart(RankMajor):
         out = g.comm_buffer(g.world * g.shard_numel, g.compute_dtype)
         with label("gather"):
             pending = collectives.all_gather(
-                out, kept, g.post_forward_group, g.label, g.custom_all_gather
+                out, kept, g.settings.post_forward_group, g.label, g.settings.custom_all_gather
             )
         self.buffers = (kept, out)
         return pending
@@ -220,14 +220,14 @@ def choose(g: ParamGroup) -> Gather:
     if g.ext_gather is not None:
         return Packed(g)
     if g.world == 1:
-        if g.device.type != "cuda" and g.offload_policy is None:
+        if g.device.type != "cuda" and g.settings.offload_policy is None:
             return CastNow(g)
         return CastBeside(g)
     interleaved = any(sp.dim != 0 for sp in g.params)
-    if not interleaved and g.comm_alloc is None and g.custom_all_gather is None:
+    if not interleaved and g.settings.comm_alloc is None and g.settings.custom_all_gather is None:
         way: Gather = InPlace(g)
     else:
         way = RankMajor(g)
-    if g.post_forward_group is not None:
+    if g.settings.post_forward_group is not None:
         return AfterForwardPart(g, way)
     return way

@@ -39,9 +39,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import collectives, gather
 from .extensions import Extension, PackedGather, has_hooks
 from .flat_shard import FlatShard, local_of
-from .offload import CPUOffloadPolicy
-from .precision import MixedPrecisionPolicy, resolve_dtypes
+from .precision import resolve_dtypes
 from .reduce import ReduceJob
+from .settings import GroupSettings
 from .sharded_param import ShardedParam
 from .tensor_parallel import TPLayout
 from .trace import active as active_trace
@@ -115,15 +115,15 @@ class ParamGroup(FlatShard):
         self,
         named: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
         mesh: DeviceMesh,
-        mp_policy: MixedPrecisionPolicy | None,
+        settings: GroupSettings,
         label: str,
         tp: Sequence[TPLayout | None] | None = None,
         dims: Sequence[int] | None = None,
-        offload_policy: CPUOffloadPolicy | None = None,
     ) -> None:
-        """``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter);
+        """``settings``: the module state's own (one object, settings.py); ``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter);
         ``dims[i]``: the dimension it is split along (default 0)."""
         self.label = label
+        self.settings = settings
         self.mesh = mesh
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
@@ -135,27 +135,13 @@ class ParamGroup(FlatShard):
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
-        self.offload_policy = offload_policy
         self.orig_dtype = named[0][1].dtype
-        self.mp_policy = mp_policy or MixedPrecisionPolicy()
-        self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
+        # Derived from the policy and the shards' dtype (which model.to(dtype) changes).
+        self.compute_dtype, self.reduce_dtype = resolve_dtypes(settings.mp_policy, self.orig_dtype)
         self.state = GroupState.SHARDED
-        self.requires_gradient_sync = True
-        # FSDP2's reduction settings (FSDPModule.set_*; docs/design.md).
-        self.divide_factor: float | None = None  # None: the mean over every data-parallel rank
-        self.requires_all_reduce = True  # HSDP: False holds reduce-scattered sums back
-        self.reduce_scatter_unused = False  # give every trainable parameter a gradient
-        self.force_sum = False  # reduce with SUM only, never the backend's AVG
-        self.all_reduce_hook: Any = None  # called on the reduced shard, before assignment
+        if settings.reduce_scatter_group is None:
+            settings.reduce_scatter_group = self.shard_group
         self.step_in_backward: Any = None  # optimizer_in_backward's handle: steps once reduced
-        self.custom_all_gather: Any = None
-        self.custom_reduce_scatter: Any = None
-        self.reduce_scatter_group = self.shard_group  # or a separate one, to overlap gathers
-        # Where gather outputs and reduction buffers come from (None: the caching allocator).
-        self.comm_alloc: collectives.Allocator | None = None
-        # reshard_after_forward=int: after forward keep 1/n of the parameters, so
-        # that backward gathers over a group of n ranks only (set_post_forward_group).
-        self.post_forward_group: Any = None
         self.kept: torch.Tensor | None = None  # what reshard_after_forward=int kept for backward
         self._partial: tuple[list[int], torch.Tensor] | None = None  # (members, summed shard)
         self.prefetched = False  # gathered by another module's prefetch, not yet used
@@ -227,7 +213,7 @@ class ParamGroup(FlatShard):
         rank); after it, the finished block has freed more activations than
         one layer cast ahead holds. An alias, or a cast on the CPU, never:
         gathering those ahead only holds memory sooner."""
-        if self.world > 1 or self.offload_policy is not None:
+        if self.world > 1 or self.settings.offload_policy is not None:
             return True
         cast_on_gpu = self.device.type == "cuda" and not self.aliased and self.ext_gather is None
         return cast_on_gpu and (not in_backward or past_first)
@@ -251,22 +237,22 @@ class ParamGroup(FlatShard):
 
     def use_comm_alloc(self, alloc: collectives.Allocator | None) -> None:
         """Gather outputs and reduction buffers from ``alloc`` (None: the caching allocator)."""
-        self.comm_alloc = alloc
+        self.settings.comm_alloc = alloc
         self.choose_gather()
 
     def use_custom_all_gather(self, comm: Any) -> None:
-        self.custom_all_gather = comm
+        self.settings.custom_all_gather = comm
         self.choose_gather()
 
     def use_post_forward_group(self, group: Any) -> None:
         """``reshard_after_forward=int``'s group of n ranks (None: none; a bool replaced it)."""
-        self.post_forward_group = group
+        self.settings.post_forward_group = group
         self.kept = None
         self.choose_gather()
 
     def comm_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.comm_alloc is not None:
-            return self.comm_alloc(numel, dtype)
+        if self.settings.comm_alloc is not None:
+            return self.settings.comm_alloc(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def allocate_unsharded(self) -> None:
@@ -357,7 +343,11 @@ class ParamGroup(FlatShard):
     def reshard(self, keep: bool = False) -> None:
         """Free the unsharded parameters. ``keep``: after forward, with a post-forward
         group (``reshard_after_forward=int``), keep this rank's part for backward."""
-        if keep and self.post_forward_group is not None and self.state is GroupState.UNSHARDED:
+        if (
+            keep
+            and self.settings.post_forward_group is not None
+            and self.state is GroupState.UNSHARDED
+        ):
             self.kept = self._part_for_backward()
         elif not keep:
             self.kept = None
@@ -391,7 +381,7 @@ class ParamGroup(FlatShard):
         """The rank-major gather input for the post-forward group: the pieces of
         ``world / n`` consecutive ranks, so that gathering it over the n ranks of
         the group (in their order) yields every rank's piece in rank order."""
-        n = self.post_forward_group.size()
+        n = self.settings.post_forward_group.size()
         per = self.world // n
         start = (self.rank % n) * per
         parts = []
@@ -424,7 +414,7 @@ class ParamGroup(FlatShard):
         are summed locally instead and the first synced backward reduces that
         sum once.
         """
-        if not self.requires_gradient_sync:
+        if not self.settings.requires_gradient_sync:
             self.accumulate(grads)
             return None
         if self._accum is not None:
@@ -434,7 +424,7 @@ class ParamGroup(FlatShard):
             ]
             self._accum = None
         used = [g is not None for g in grads]
-        if not any(used) and self._partial is not None and self.requires_all_reduce:
+        if not any(used) and self._partial is not None and self.settings.requires_all_reduce:
             # HSDP sums held back, of a module this backward did not reach:
             # zeros carry them through the reduce-scatter to the all-reduce.
             held = set(self._partial[0])
@@ -470,9 +460,11 @@ class ParamGroup(FlatShard):
         reach its module: a local sum (gradient sync was off) or HSDP sums held
         back from the all-reduce, which is on again. Left for the module's next
         use, they would land on a later step."""
-        if not self.requires_gradient_sync:
+        if not self.settings.requires_gradient_sync:
             return False
-        return self._accum is not None or (self._partial is not None and self.requires_all_reduce)
+        return self._accum is not None or (
+            self._partial is not None and self.settings.requires_all_reduce
+        )
 
     def take_held_back(self) -> tuple[list[int], torch.Tensor] | None:
         """HSDP sums held back by ``set_requires_all_reduce(False)`` (the members'
