@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import collectives
+from .offload import upload
 from .trace import label
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class CastBeside(Gather):
     def issue(self, g: ParamGroup) -> collectives.Pending | None:
         g.allocate_unsharded()
         with collectives.side_stream("gather", g.device), label("gather"):
-            g.unsharded_flat.copy_(g.flat.to(g.device, non_blocking=True))
+            g.unsharded_flat.copy_(upload(g.flat, g.device))
             work = collectives.StreamWork(g.device)
         kind = "cast" if g.settings.offload_policy is None else "upload"
         return collectives.Pending(work, label=g.label, kind=kind)
@@ -100,7 +101,7 @@ class InPlace(Gather):
             with label("gather"):
                 if self.copy_in:  # cast (or uploaded) into this rank's slot of each output
                     if g.flat.device != g.device:  # uploaded as it is, cast on the GPU
-                        shards = list(g.flat.to(g.device, non_blocking=True).split(sizes))
+                        shards = list(upload(g.flat, g.device).split(sizes))
                     torch._foreach_copy_(slots, shards)
                 return collectives.all_gather_each(
                     outs, slots if self.copy_in else shards, g.shard_group, g.label
@@ -122,7 +123,8 @@ class RankMajor(Gather):
     def issue(self, g: ParamGroup) -> collectives.Pending | None:
         # The parameters' storage is allocated only at the copy-out: a gather in
         # flight (a prefetch) holds one buffer, not two.
-        out = g.comm_buffer(g.world * g.shard_numel, g.compute_dtype)
+        with label("gather"):
+            out = g.comm_buffer(g.world * g.shard_numel, g.compute_dtype)
         src = g.flat
         if self.copy_in:
             # Cast (or uploaded) straight into this rank's slot of the output:
@@ -133,7 +135,7 @@ class RankMajor(Gather):
                 if self.copy_in:
                     # Uploaded as it is, cast on the GPU (a cross-device copy that
                     # also casts would cast on the CPU first).
-                    src.copy_(g.flat.to(g.device, non_blocking=True))
+                    src.copy_(upload(g.flat, g.device))
                 pending = collectives.all_gather(
                     out, src, g.shard_group, g.label, g.settings.custom_all_gather
                 )
@@ -172,8 +174,8 @@ class AfterForwardPart(RankMajor):
         self._from_kept = kept is not None
         if kept is None:
             return self.inner.issue(g)
-        out = g.comm_buffer(g.world * g.shard_numel, g.compute_dtype)
         with label("gather"):
+            out = g.comm_buffer(g.world * g.shard_numel, g.compute_dtype)
             pending = collectives.all_gather(
                 out, kept, g.settings.post_forward_group, g.label, g.settings.custom_all_gather
             )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import collectives, offload
+from .trace import label
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -84,37 +85,41 @@ class ReduceJob:
             return
         if alone:  # only the parameters with gradients: nothing to send for the others
             self.members = [sp for sp, t in zip(g.params, grads) if t is not None]
-        padded = _zeros_for(g, grads, self.members)
-        filled = [sp.for_reduce(t) for sp in self.members if (t := padded[sp.index]) is not None]
-        if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
-            filled = [t.to(g.reduce_dtype) for t in filled]
-        numel = sum(sp.slot for sp in self.members)
-        self.out = g.comm_buffer(numel, g.orig_dtype if alone else g.reduce_dtype)
-        # The copy-in overlaps the backward compute queued next. The gradients
-        # it reads may be freed as soon as it has run, not when the reduction
-        # is waited for: record_stream tells the allocator so.
-        slots = [sp.slot for sp in self.members]
-        if g.world == 1:  # the copy-in (a cast, a layout) is all there is
-            self._rs_in = None
-            with collectives.side_stream("reduce", device):
-                _copy_in(filled, slots, self.out.view(1, numel))
-                _record_stream(filled, device)
-                work = collectives.StreamWork(device)
-            self._pending = collectives.Pending(work, label=g.label, kind="cast")
-        else:
-            self._rs_in = g.comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
-            with collectives.side_stream("reduce", device):
-                _copy_in(filled, slots, self._rs_in)
-                _record_stream(filled, device)
-                self._pending = collectives.reduce_scatter(
-                    self.out,
-                    self._rs_in.view(-1),
-                    g.settings.reduce_scatter_group,
-                    g.label,
-                    divide_by=None if g.settings.divide_factor is not None else g.world,
-                    comm=g.settings.custom_reduce_scatter,
-                    sum_only=g.settings.force_sum,
-                )
+        # Labelled: what a memory record finds allocated here is reduction buffers.
+        with label("reduce"):
+            padded = _zeros_for(g, grads, self.members)
+            filled = [
+                sp.for_reduce(t) for sp in self.members if (t := padded[sp.index]) is not None
+            ]
+            if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
+                filled = [t.to(g.reduce_dtype) for t in filled]
+            numel = sum(sp.slot for sp in self.members)
+            self.out = g.comm_buffer(numel, g.orig_dtype if alone else g.reduce_dtype)
+            # The copy-in overlaps the backward compute queued next. The gradients
+            # it reads may be freed as soon as it has run, not when the reduction
+            # is waited for: record_stream tells the allocator so.
+            slots = [sp.slot for sp in self.members]
+            if g.world == 1:  # the copy-in (a cast, a layout) is all there is
+                self._rs_in = None
+                with collectives.side_stream("reduce", device):
+                    _copy_in(filled, slots, self.out.view(1, numel))
+                    _record_stream(filled, device)
+                    work = collectives.StreamWork(device)
+                self._pending = collectives.Pending(work, label=g.label, kind="cast")
+            else:
+                self._rs_in = g.comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
+                with collectives.side_stream("reduce", device):
+                    _copy_in(filled, slots, self._rs_in)
+                    _record_stream(filled, device)
+                    self._pending = collectives.reduce_scatter(
+                        self.out,
+                        self._rs_in.view(-1),
+                        g.settings.reduce_scatter_group,
+                        g.label,
+                        divide_by=None if g.settings.divide_factor is not None else g.world,
+                        comm=g.settings.custom_reduce_scatter,
+                        sum_only=g.settings.force_sum,
+                    )
         self.shards = []
 
     @property
