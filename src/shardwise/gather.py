@@ -125,13 +125,12 @@ class RankMajor(Gather):
         # flight (a prefetch) holds one buffer, not two.
         with label("gather"):
             out = g.comm_buffer(g.world * g.shard_numel, g.compute_dtype)
-        src = g.flat
-        if self.copy_in:
-            # Cast (or uploaded) straight into this rank's slot of the output:
-            # an in-place all-gather, no second buffer.
-            src = out.view(g.world, g.shard_numel)[g.rank]
-        with collectives.side_stream("gather", g.device if self.copy_in else None):
-            with label("gather"):
+            src = g.flat
+            if self.copy_in:
+                # Cast (or uploaded) straight into this rank's slot of the output:
+                # an in-place all-gather, no second buffer.
+                src = out.view(g.world, g.shard_numel)[g.rank]
+            with collectives.side_stream("gather", g.device if self.copy_in else None):
                 if self.copy_in:
                     # Uploaded as it is, cast on the GPU (a cross-device copy that
                     # also casts would cast on the CPU first).

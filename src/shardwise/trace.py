@@ -357,9 +357,12 @@ def label(name: str) -> Any:
     record (each allocation's ``user_metadata``). Outside both it does nothing:
     the hooks run once per module per step, and a ``record_function`` costs
     microseconds even with no profiler."""
-    if _memory_labels or torch.autograd._profiler_enabled():
+    if _memory_labels or _profiler_enabled():
         return _Label(name)
     return _NO_LABEL
+
+
+_profiler_enabled = torch.autograd._profiler_enabled  # one C call, looked up once
 
 
 @contextmanager
