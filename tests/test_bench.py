@@ -70,18 +70,19 @@ def test_held_tensors_count_each_storage_once() -> None:
     }
 
 
-SW = "/src/shardwise/param_group.py"
+SW = "/src/shardwise/param_group.py"  # a frame of shardwise's that carries no meaning now
 FSDP_PARAM = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_param.py"
 FSDP_COLL = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
 GPT_FWD = ("/src/shardwise_app/models/gpt.py", "forward")
 
 
-def _alloc(addr: int, size: int, *frames: tuple[str, str]) -> dict[str, Any]:
+def _alloc(addr: int, size: int, *frames: tuple[str, str], label: str = "") -> dict[str, Any]:
     return {
         "action": "alloc",
         "addr": addr,
         "size": size,
         "frames": [{"filename": f, "name": n, "line": 1} for f, n in frames],
+        "user_metadata": label,  # shardwise.trace.label's scope
     }
 
 
@@ -102,8 +103,8 @@ def test_allocator_record_is_attributed_at_its_peak() -> None:
     baseline = 4096 + 8192 + 1024  # and a 1 KiB workspace from an earlier step
     trace = [
         # forward
-        _alloc(0x300, 1000, (SW, "unshard")),  # shardwise's all-gather output
-        _alloc(0x400, 2048, (SW, "_allocate_unsharded"), (SW, "wait_unsharded")),
+        _alloc(0x300, 1000, (SW, "issue"), label="shardwise::gather"),  # an all-gather output
+        _alloc(0x400, 2048, (SW, "finish"), label="shardwise::unsharded"),
         _free(0x300, 1000),
         _alloc(0xA00, 512, (FSDP_COLL, "foreach_all_gather")),
         _alloc(0x500, 3000, GPT_FWD),
@@ -138,14 +139,10 @@ def test_allocator_record_is_attributed_at_its_peak() -> None:
 
 
 def test_the_code_attributed_by_stack_still_exists() -> None:
-    """A rename in shardwise or torch would silently move memory to another part."""
+    """A rename in torch would silently move FSDP2's memory to another part
+    (shardwise's is attributed by its labels: the test below)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param
 
-    from shardwise import collectives, param_group
-
-    assert all(hasattr(param_group.ParamGroup, n) for n in memory._SHARDWISE_GATHERED)
-    for module in (param_group, collectives):
-        assert module.__file__ and module.__file__.endswith(memory._SHARDWISE_COMM_FILES)
     fsdp2 = (_fsdp_param.FSDPParam, _fsdp_param, _fsdp_collectives)
     assert all(any(hasattr(m, n) for m in fsdp2) for n in memory._FSDP2_GATHERED)
     for module in (_fsdp_param, _fsdp_collectives):
@@ -298,8 +295,8 @@ def test_cuda_memory_step_plumbing_with_a_fake_allocator(monkeypatch: pytest.Mon
     trace: list[dict[str, Any]] = []
     state = {"allocated": 1024, "peak": 1024, "recording": False}
 
-    def alloc(addr: int, size: int, *frames: tuple[str, str]) -> None:
-        trace.append(_alloc(addr, size, *frames))
+    def alloc(addr: int, size: int, *frames: tuple[str, str], label: str = "") -> None:
+        trace.append(_alloc(addr, size, *frames, label=label))
         state["allocated"] += size
         state["peak"] = max(state["peak"], state["allocated"])
 
@@ -324,7 +321,7 @@ def test_cuda_memory_step_plumbing_with_a_fake_allocator(monkeypatch: pytest.Mon
         assert state["recording"] == "all"
         alloc(0x100, 4096, GPT_FWD)
         mark("forward")
-        alloc(0x200, 2048, (SW, "_allocate_unsharded"))
+        alloc(0x200, 2048, label="shardwise::unsharded")
         alloc(0x300, 1024)  # the gradient
         free(0x200, 2048)
         free(0x100, 4096)
@@ -419,3 +416,59 @@ def test_optimizer_in_backward_steps_inside_the_benchmarked_backward(tmp_path: P
         assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     finally:
         dist.destroy_process_group()
+
+
+def labelled_step_worker(rank: int, world: int) -> dict[str, list[int]]:
+    """One training step of two sharded layers under the CPU profiler with memory:
+    per runtime label, how many scopes ran and the bytes allocated inside them."""
+    import torch.nn as nn
+    from torch.distributed.tensor import Shard
+
+    from shardwise import fully_shard
+    from shardwise.trace import PREFIX
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    fully_shard(model[0], reshard_after_forward=2)  # backward gathers a kept part over 2
+    # Split along dim 1: a rank-major gather, copied out.
+    fully_shard(model[1], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    fully_shard(model)
+    model(torch.randn(4, 8)).sum().backward()  # the first step builds what later ones reuse
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        model(torch.randn(4, 8)).sum().backward()
+    found: dict[str, list[int]] = {}
+    for e in prof.events():
+        if e.name.startswith(PREFIX):
+            counts = found.setdefault(e.name, [0, 0])
+            counts[0] += 1
+            counts[1] += e.cpu_memory_usage
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_runtime_labels_attribute_memory_by_what_it_does() -> None:
+    """The runtime labels its scopes for the profiler (``shardwise.trace.label``), and
+    memory.py attributes what they allocate by those labels, not by file names."""
+    from dist_utils import run_distributed
+    from shardwise.trace import PREFIX
+
+    per_rank = run_distributed(labelled_step_worker, 4, timeout=150)
+    for found in per_rank:
+        for name in ("unsharded", "gather", "copy-out", "post-forward part", "reduce"):
+            assert PREFIX + name in found, f"no {name!r} scope in the profile: {sorted(found)}"
+        want = {
+            "unsharded": "gathered_params",
+            "post-forward part": "gathered_params",
+            "gather": "comm_buffers",
+            "reduce": "comm_buffers",
+        }
+        for name, part in want.items():
+            count, nbytes = found[PREFIX + name]
+            assert nbytes > 0, f"{name}: {count} scopes allocated nothing"
+            assert memory.classify([], "forward", PREFIX + name) == part, name
+    # Outside a profiler the scopes are not opened at all.
+    from shardwise.trace import _NO_LABEL, label
+
+    assert label("gather") is _NO_LABEL

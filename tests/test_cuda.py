@@ -317,21 +317,21 @@ def comm_alloc_worker(rank: int, world: int, mode: str) -> None:
     modules[0].set_custom_reduce_scatter(lambda **kw: None)
     with pytest.raises(ValueError, match="one or the other"):
         enable(modules[0])
-    assert modules[0]._shardwise_state.group.comm_alloc is None
-    modules[0]._shardwise_state.group.custom_reduce_scatter = None
+    assert modules[0]._shardwise_state.settings.comm_alloc is None
+    modules[0]._shardwise_state.settings.custom_reduce_scatter = None
     for m in modules:
         enable(m)
     groups = [m._shardwise_state.group for m in modules if m._shardwise_state.group is not None]
-    assert groups and all(g.comm_alloc is not None for g in groups)
+    assert groups and all(g.settings.comm_alloc is not None for g in groups)
     with pytest.raises(ValueError, match="one or the other"):
         modules[0].set_custom_all_gather(lambda **kw: None)
-    assert groups[0].custom_all_gather is None
+    assert groups[0].settings.custom_all_gather is None
     opt, ref_opt = make_opt("adamw", model.parameters()), make_opt("adamw", ref.parameters())
     for idx in batches(3):
         step_and_compare(model, opt, ref, ref_opt, idx.cuda())
     if mode == "process_group":
         modules[0].set_allocate_memory_from_process_group_for_comm(False)
-        assert modules[0]._shardwise_state.group.comm_alloc is None
+        assert modules[0]._shardwise_state.settings.comm_alloc is None
 
 
 @pytest.mark.parametrize("mode", ["process_group", "symm_mem"])

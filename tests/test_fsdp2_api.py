@@ -106,7 +106,9 @@ def check_force_sum(rank: int, world: int) -> None:
     shard.set_force_sum_reduction_for_comms(True)
     with pytest.raises(TypeError, match="expects a bool"):
         shard.set_force_sum_reduction_for_comms(1)  # type: ignore[arg-type]
-    assert all(g.force_sum for g in shard._groups(recurse=False)), "a refused call changed it"
+    assert all(g.settings.force_sum for g in shard._groups(recurse=False)), (
+        "a refused call changed it"
+    )
 
 
 class Tokens(nn.Module):
@@ -280,8 +282,8 @@ def check_separate_reduce_scatter_group(rank: int, world: int) -> None:
     ref, model = reference_and_sharded(hsdp=False)
     model.set_separate_reduce_scatter_group(True)
     group = model._shardwise_state.group
-    assert group.reduce_scatter_group is not group.shard_group
-    assert dist.get_process_group_ranks(group.reduce_scatter_group) == list(range(world))
+    assert group.settings.reduce_scatter_group is not group.shard_group
+    assert dist.get_process_group_ranks(group.settings.reduce_scatter_group) == list(range(world))
     idx = batches(1)[0]
     loss_fn(model, idx.chunk(world)[rank]).backward()
     close(grads_of(model), reference_grads(ref, idx, world))
@@ -293,7 +295,7 @@ def check_backend_specific_errors(rank: int, world: int) -> None:
         model.set_symm_mem_for_comm()
     with pytest.raises(ValueError, match="gloo"):
         model.set_allocate_memory_from_process_group_for_comm(True)
-    assert model._shardwise_state.group.comm_alloc is None  # nothing changed
+    assert model._shardwise_state.settings.comm_alloc is None  # nothing changed
     model.set_allocate_memory_from_process_group_for_comm(False)
     # Symmetric memory allows one reduction in flight, whichever is set first (as FSDP2).
     model.set_reduce_scatter_max_input_buffers(2, recurse=False)
@@ -306,11 +308,11 @@ def check_backend_specific_errors(rank: int, world: int) -> None:
         return torch.empty(numel, dtype=dtype)
 
     symmetric.symmetric = True  # type: ignore[attr-defined]
-    group.comm_alloc = symmetric
+    group.use_comm_alloc(symmetric)
     with pytest.raises(ValueError, match="symmetric memory"):
         model.set_reduce_scatter_max_input_buffers(2)
-    assert model._shardwise_state.max_reduces_in_flight == 1
-    group.comm_alloc = None
+    assert model._shardwise_state.settings.max_reduces_in_flight == 1
+    group.use_comm_alloc(None)
     bad = [
         (lambda: model.set_gradient_divide_factor(0), ValueError),
         (lambda: model.set_requires_all_reduce("no"), TypeError),
@@ -320,17 +322,17 @@ def check_backend_specific_errors(rank: int, world: int) -> None:
     for call, exc in bad:
         with pytest.raises(exc):
             call()
-    assert model._shardwise_state.group.divide_factor is None
+    assert model._shardwise_state.settings.divide_factor is None
     with pytest.raises(RuntimeError, match="deepcopy.*state_dict"):
         copy.deepcopy(model)
     # FSDP2's signature: recurse may be positional.
     model.set_reshard_after_forward(False, False)
-    assert not model._shardwise_state.reshard_after_forward
-    assert model.extra._shardwise_state.reshard_after_forward
+    assert not model._shardwise_state.settings.reshard_after_forward
+    assert model.extra._shardwise_state.settings.reshard_after_forward
     # Per module, as in FSDP2: the root's setting leaves its children alone.
     model.set_gradient_divide_factor(2.0)
-    assert model._shardwise_state.group.divide_factor == 2.0
-    assert model.extra._shardwise_state.group.divide_factor is None
+    assert model._shardwise_state.settings.divide_factor == 2.0
+    assert model.extra._shardwise_state.settings.divide_factor is None
 
 
 class Generator(nn.Module):

@@ -259,10 +259,10 @@ def check_reshard_int_edges(rank: int, world: int) -> None:
     lin = nn.Linear(4, 4)
     with pytest.warns(UserWarning, match="reshard_after_forward=False"):
         fully_shard(lin, reshard_after_forward=1)
-    assert lin._shardwise_state.reshard_after_forward is False
+    assert lin._shardwise_state.settings.reshard_after_forward is False
     whole = nn.Linear(4, 4)
     fully_shard(whole, reshard_after_forward=world)  # the whole group: plain True
-    assert whole._shardwise_state.group.post_forward_group is None
+    assert whole._shardwise_state.settings.post_forward_group is None
     # Not yet with a tensor subclass that gathers itself (test_extensions.py).
     from test_extensions import Tiny, convert
 

@@ -81,7 +81,15 @@ def test_the_command_without_its_extra_says_how_to_install(tmp_path: Path) -> No
 RUNTIME = LIBRARY
 # The layers a step goes down through (docs/design.md): what sits below never
 # imports what sits above, so it cannot call up into it.
-BELOW_THE_HOOKS = ["param_group", "flat_shard", "sharded_param", "reduce", "collectives"]
+BELOW_THE_HOOKS = [
+    "param_group",
+    "flat_shard",
+    "sharded_param",
+    "gather",
+    "reduce",
+    "settings",
+    "collectives",
+]
 ABOVE = {"module", "context", "fsdp_module", "api", "optimizer_in_backward"}
 
 
@@ -141,3 +149,15 @@ def test_no_optimizer_hook_at_import() -> None:
         "assert len(o._global_optimizer_post_hooks) == before, 'a hook at import'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_reduce_job_is_told_everything_it_needs() -> None:
+    """A reduction's caller decides whether this backward is the last and where
+    offloaded downloads are listed: no default stands in for either."""
+    import inspect
+
+    from shardwise.reduce import ReduceJob
+
+    params = list(inspect.signature(ReduceJob).parameters.values())
+    defaulted = [p.name for p in params if p.default is not inspect.Parameter.empty]
+    assert not defaulted, f"ReduceJob's {defaulted} have defaults that no caller relies on"

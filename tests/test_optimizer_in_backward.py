@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 import shardwise
 from dist_utils import first_failures, run_distributed, run_named_checks
 from models import Block, Net, batches, loss_fn
-from shardwise import fully_shard, optimizer_in_backward
+from shardwise import collectives, fully_shard, optimizer_in_backward
 from test_core import assert_between_steps, global_mean
 
 pytestmark = pytest.mark.timeout(300)
@@ -346,6 +346,65 @@ def check_refusals_in_backward(rank: int, world: int) -> None:
     handle.remove()
 
 
+def check_per_parameter_steps_regather_nothing_else(rank: int, world: int) -> None:
+    """torch's own idiom, one optimizer per parameter stepped in its
+    post-accumulate-grad hook: modules kept gathered from forward
+    (``reshard_after_forward=False``) are not gathered again in backward because
+    another module stepped, and a module kept gathered across its own step
+    (``set_reshard_after_backward(False)``) gathers the stepped values. foreach
+    AdamW steps bump no version counter, so only a precise record of what stepped
+    tells the two apart. Parity with one process stepping after backward."""
+    torch.manual_seed(0)
+    ref = Net(d=16)
+    model = copy.deepcopy(ref)
+    for stage in model.stages:
+        fully_shard(stage.a, reshard_after_forward=False)
+        fully_shard(stage.b, reshard_after_forward=False)
+    fully_shard(model.extra, reshard_after_forward=False)
+    fully_shard(model)
+    model.extra.set_reshard_after_backward(False, recurse=False)
+    opts = {id(p): torch.optim.AdamW([p], lr=1e-2, foreach=True) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        opts[id(p)].step()
+        opts[id(p)].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    # The reference first: its steps, outside backward, would make every kept
+    # module gather again (_OptimizerSteps counts them), hiding a stale one.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    wants = []
+    for idx in batches(3):
+        want = loss_fn(ref, idx)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        wants.append(want.detach())
+    gathers: list[str] = []
+    counting = [False]
+
+    def seen(rec: collectives.CollectiveRecord, pending: collectives.Pending) -> None:
+        if counting[0] and rec.kind == "all_gather":
+            gathers.append(rec.label)
+
+    remove = collectives.add_observer(seen)
+    try:
+        for idx, want in zip(batches(3), wants):
+            loss = loss_fn(model, idx.chunk(world)[rank])
+            counting[0] = True
+            loss.backward()
+            counting[0] = False
+            assert not gathers, f"gathered again in backward: {gathers}"
+            # The next forward reads the kept module: stale values would show here.
+            torch.testing.assert_close(global_mean(loss.detach()), want)
+    finally:
+        remove()
+    sd = model.state_dict()  # resharded first: the sharded parameters
+    for name, q in ref.state_dict().items():
+        torch.testing.assert_close(sd[name].full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def states(model: nn.Module) -> list:
     return [m._shardwise_state for m in model.modules() if isinstance(m, shardwise.FSDPModule)]
 
@@ -357,6 +416,7 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "bad input and a failing step": check_errors,
     "two forwards, and a separable optimizer offloaded": check_two_forwards_and_separable,
     "refused in backward: stepped twice, a failed backward": check_refusals_in_backward,
+    "per-parameter steps regather nothing else": check_per_parameter_steps_regather_nothing_else,
 }
 
 

@@ -20,13 +20,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 from dist_utils import first_failures, run_distributed, run_named_checks
-from shardwise import fully_shard
+from shardwise import MixedPrecisionPolicy, fully_shard
 from test_core import assert_between_steps
 
 pytestmark = pytest.mark.timeout(240)
@@ -146,6 +147,48 @@ def check_root_part_after_a_no_grad_forward(rank: int, world: int) -> None:
         sgd_step(opt, ref_opt)
 
 
+def check_root_part_under_mixed_precision(rank: int, world: int) -> None:
+    """The root's head called on its own after a no-grad forward, under a bf16 policy
+    with fp32 outputs: its fp32 input is cast to bf16 as the root's pre-forward
+    casts the root's (else bf16 weights meet an fp32 input and the matmul
+    refuses), and its output comes back in fp32; with grad it trains as one
+    process does in bf16."""
+    torch.manual_seed(0)
+    ref = Decoder()
+    model = copy.deepcopy(ref)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    fully_shard(model, mp_policy=policy, check=True)
+    x, y, mx, my = data(0, rank, world)
+    with torch.no_grad():
+        h = model(mx)
+        assert h.dtype == torch.float32, h.dtype
+        logits = model.head(h)
+        assert_between_steps(model)
+    # One process, the same call in bf16: the same input, the same bf16 weights.
+    w, b = ref.head.weight.bfloat16(), ref.head.bias.bfloat16()
+    assert logits.dtype == torch.float32, logits.dtype
+    torch.testing.assert_close(logits, F.linear(h.bfloat16(), w, b).float())
+    F.cross_entropy(model.head(h).flatten(0, 1), my.flatten()).backward()
+    assert_between_steps(model)
+    hb = h.bfloat16()
+    all_h = torch.cat(global_gather(hb))
+    wr = ref.head.weight.detach().bfloat16().requires_grad_()
+    F.cross_entropy(F.linear(all_h, wr, b).float().flatten(0, 1), y.flatten()).backward()
+    assert wr.grad is not None and model.head.weight.grad is not None
+    torch.testing.assert_close(
+        model.head.weight.grad.full_tensor(), wr.grad.float(), rtol=2e-2, atol=2e-3
+    )
+
+
+def global_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``t``, in rank order."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
 class Scale(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -211,6 +254,7 @@ def parametrized_round_trip(trainable: bool) -> Callable[[int, int], None]:
 CHECKS: dict[str, Callable[[int, int], None]] = {
     "group member after the root's forward": check_group_member_after_the_root_forward,
     "root part after a no-grad forward": check_root_part_after_a_no_grad_forward,
+    "root part under mixed precision": check_root_part_under_mixed_precision,
     "parametrization in forward, trainable": parametrized_round_trip(True),
     "parametrization in forward, frozen": parametrized_round_trip(False),
 }

@@ -24,6 +24,7 @@ from .module import ModuleState, outside_compile
 from .offload import OffloadPolicy, check_offload_policy
 from .param_group import ParamGroup
 from .precision import MixedPrecisionPolicy
+from .settings import GroupSettings
 from .tensor_parallel import TPLayout, compose_spmd, compose_tp, spmd_mesh
 
 # Original parameter objects already taken by some fully_shard call: a second
@@ -159,10 +160,17 @@ def fully_shard(
     label = type(modules[0]).__name__
     # Made before anything changes: new_group can fail (a timeout, a backend).
     smaller = post_forward_group(mesh, post_forward_size) if named and post_forward_size else None
-    state = ModuleState(modules, raf, policy, prefetch, label, bool(check))
+    settings = GroupSettings(
+        mp_policy=policy or MixedPrecisionPolicy(),
+        offload_policy=offload,
+        prefetch=prefetch,
+        reshard_after_forward_setting=raf,
+        reshard_after_forward=raf is not False,
+    )
+    state = ModuleState(modules, settings, label, bool(check))
     if named:
-        state.group = ParamGroup(named, mesh, policy, label, tp, dims, offload)
-        state.group.post_forward_group = smaller
+        state.group = ParamGroup(named, mesh, settings, label, tp, dims)
+        state.group.use_post_forward_group(smaller)
         _groups.add(state.group)
     for _, p, _ in named:
         _taken[id(p)] = weakref.ref(p)

@@ -41,7 +41,11 @@ def check_forward_entry(ctx: FSDPContext) -> None:
         if s.phase is not Phase.IDLE:
             raise _fail(ctx, s, f"is {s.phase.name} at the start of a forward (expected IDLE)")
         g = s.group
-        if g is None or not s.reshard_after_forward or not s.reshard_after_backward:
+        if (
+            g is None
+            or not s.settings.reshard_after_forward
+            or not s.settings.reshard_after_backward
+        ):
             continue
         if s is ctx.root:
             continue  # kept after a training forward whose backward never came: legitimate
@@ -55,7 +59,11 @@ def check_backward_end(ctx: FSDPContext) -> LifecycleError | None:
         g = s.group
         if g is None:
             continue
-        if s.backward_done and s.reshard_after_backward and g.state is not GroupState.SHARDED:
+        if (
+            s.backward_done
+            and s.settings.reshard_after_backward
+            and g.state is not GroupState.SHARDED
+        ):
             return _fail(
                 ctx,
                 s,

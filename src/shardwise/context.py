@@ -245,7 +245,7 @@ class FSDPContext:
         return self.bwd.needs(state)
 
     def _depths(self) -> dict[int, int]:
-        return {id(s): s.prefetch for s in self.states}
+        return {id(s): s.settings.prefetch for s in self.states}
 
     # ---- backward boundaries ------------------------------------------------------------
 

@@ -140,7 +140,11 @@ class Extension:
             inputs, self.metadata = local.fsdp_pre_all_gather(mesh)  # type: ignore[attr-defined]
         else:
             inputs, self.metadata = local.fsdp_pre_all_gather(  # type: ignore[attr-defined]
-                mesh, sp.shape, contiguous_stride(sp.shape), sp.locations[0][0], group.mp_policy
+                mesh,
+                sp.shape,
+                contiguous_stride(sp.shape),
+                sp.locations[0][0],
+                group.settings.mp_policy,
             )
         return list(inputs)
 
@@ -253,7 +257,7 @@ class PackedGather:
             if not first:
                 self._pack(group, self.inputs(group), send)
             pending = collectives.all_gather(
-                out, send, group.shard_group, group.label, group.custom_all_gather
+                out, send, group.shard_group, group.label, group.settings.custom_all_gather
             )
         return send, out, pending
 

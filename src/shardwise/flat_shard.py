@@ -47,8 +47,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import offload
 from .extensions import PackedGather
-from .offload import CPUOffloadPolicy
-from .precision import MixedPrecisionPolicy, resolve_dtypes
+from .precision import resolve_dtypes
+from .settings import GroupSettings
 from .sharded_param import ShardedParam
 from .tensor_parallel import contiguous_stride
 
@@ -68,9 +68,8 @@ class FlatShard:
     world: int
     rank: int
     device: torch.device  # where gathered parameters live
-    offload_policy: CPUOffloadPolicy | None
+    settings: GroupSettings  # mp_policy, offload_policy (settings.py)
     orig_dtype: torch.dtype
-    mp_policy: MixedPrecisionPolicy
     label: str
     compute_dtype: torch.dtype
     ext_gather: PackedGather | None
@@ -92,7 +91,7 @@ class FlatShard:
         """Where the shards of parameters now on ``src`` go."""
         if src.type == "meta":
             return src
-        return torch.device("cpu") if self.offload_policy is not None else self.device
+        return torch.device("cpu") if self.settings.offload_policy is not None else self.device
 
     def _shard(self, named: Sequence[tuple[str, nn.Parameter, Any]]) -> None:
         """Copy this rank's rows of each parameter into a fresh flat shard.
@@ -187,9 +186,9 @@ class FlatShard:
         )
 
     def _new_flat(self, device: torch.device) -> torch.Tensor:
-        if self.offload_policy is not None and device.type == "cpu":
+        if self.settings.offload_policy is not None and device.type == "cpu":
             return offload.host_buffer(
-                self.shard_numel, self.orig_dtype, self.offload_policy.pin_memory
+                self.shard_numel, self.orig_dtype, self.settings.offload_policy.pin_memory
             )
         return torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=device)
 
@@ -197,14 +196,14 @@ class FlatShard:
         return self.flat[sp.offset : sp.offset + sp.local_numel].view(sp.local_shape)
 
     def _make_unsharded_views(self, device: torch.device) -> None:
-        if self.offload_policy is not None and device.type != "meta":
+        if self.settings.offload_policy is not None and device.type != "meta":
             device = self.device  # gathered on the GPU, from shards in host memory
         # One rank in the parameters' own dtype: the shards are the whole
         # parameters, so the unsharded forms simply alias them.
         self.aliased = (
             self.world == 1
             and self.compute_dtype == self.orig_dtype
-            and self.offload_policy is None
+            and self.settings.offload_policy is None
             and self.ext_gather is None
         )
         # Where each parameter starts in the unsharded buffer. Parameters that
@@ -272,7 +271,7 @@ class FlatShard:
         """
         first = local_of(self.params[0].sharded)
         # Offloaded shards go back to host memory (to_empty(device="cuda") moved them).
-        device = self._device_for(first.device) if self.offload_policy else first.device
+        device = self._device_for(first.device) if self.settings.offload_policy else first.device
         dtypes = {local_of(sp.sharded).dtype for sp in self.params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -283,7 +282,9 @@ class FlatShard:
             )
         if first.dtype != self.orig_dtype:  # model.to(torch.bfloat16): the shards' new dtype
             self.orig_dtype = first.dtype
-            self.compute_dtype, self.reduce_dtype = resolve_dtypes(self.mp_policy, first.dtype)
+            self.compute_dtype, self.reduce_dtype = resolve_dtypes(
+                self.settings.mp_policy, first.dtype
+            )
         self.flat = self._new_flat(device)
         self._locals = []
         for sp in self.params:

@@ -113,17 +113,18 @@ class FSDPModule(_TorchFSDPModule):
                 f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
             )
         for s in self._sharded_states(recurse):
-            s.reshard_after_forward = s.reshard_after_forward_setting = reshard_after_forward
+            s.settings.reshard_after_forward = s.settings.reshard_after_forward_setting = (
+                reshard_after_forward
+            )
             if s.group is not None:
-                s.group.post_forward_group = None  # as FSDP2: a bool replaces an int
-                s.group.drop_kept()
+                s.group.use_post_forward_group(None)  # as FSDP2: a bool replaces an int
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """Keep parameters gathered after backward (e.g. between accumulation microbatches)."""
         for s in self._sharded_states(recurse):
-            s.reshard_after_backward = reshard_after_backward
+            s.settings.reshard_after_backward = reshard_after_backward
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -135,7 +136,7 @@ class FSDPModule(_TorchFSDPModule):
             )
         for s in self._sharded_states(recurse):
             if s.group is not None:
-                s.group.requires_gradient_sync = requires_gradient_sync
+                s.settings.requires_gradient_sync = requires_gradient_sync
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         return [s.group for s in self._sharded_states(recurse) if s.group is not None]
@@ -143,7 +144,7 @@ class FSDPModule(_TorchFSDPModule):
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: backward needs none of this module's parameters (an embedding);
         its pre-backward then gathers nothing."""
-        self._shardwise_state.unshard_in_backward = _bool(
+        self._shardwise_state.settings.unshard_in_backward = _bool(
             "set_unshard_in_backward", unshard_in_backward
         )
 
@@ -155,7 +156,7 @@ class FSDPModule(_TorchFSDPModule):
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a number > 0, got {factor!r}")
         for g in self._groups(recurse=False):
-            g.divide_factor = float(factor)
+            g.settings.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 for ``set_gradient_divide_factor``; the same here."""
@@ -171,7 +172,7 @@ class FSDPModule(_TorchFSDPModule):
         NCCL's ReduceOp.AVG (NCCL's zero-copy transfers need SUM). gloo always sums."""
         flag = _bool("set_force_sum_reduction_for_comms", enable)
         for g in self._groups(recurse=False):
-            g.force_sum = flag
+            g.settings.force_sum = flag
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves its reductions in flight (more microbatches
@@ -189,7 +190,7 @@ class FSDPModule(_TorchFSDPModule):
         all-reduces them together and only then sets ``.grad``."""
         flag = _bool("set_requires_all_reduce", requires_all_reduce)
         for g in self._groups(recurse):
-            g.requires_all_reduce = flag
+            g.settings.requires_all_reduce = flag
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -198,7 +199,7 @@ class FSDPModule(_TorchFSDPModule):
         rank did not use it (the mean over all ranks, zeros from those that did not)."""
         flag = _bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
         for g in self._groups(recurse):
-            g.reduce_scatter_unused = flag
+            g.settings.reduce_scatter_unused = flag
 
     def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
         """``hook(reduced)`` runs on this module's reduced gradient shard (after the
@@ -207,7 +208,7 @@ class FSDPModule(_TorchFSDPModule):
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {hook!r}")
         for g in self._groups(recurse=False):
-            g.all_reduce_hook = hook
+            g.settings.all_reduce_hook = hook
 
     def set_post_optim_event(self, event: Any) -> None:
         """An event recorded after the optimizer step: the next forward's gathers wait
@@ -227,7 +228,7 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"set_custom_all_gather expects a callable, got {comm!r}")
         _no_comm_alloc(self._groups(recurse=False), "set_custom_all_gather")
         for g in self._groups(recurse=False):
-            g.custom_all_gather = comm
+            g.use_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` sums this
@@ -236,7 +237,7 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"set_custom_reduce_scatter expects a callable, got {comm!r}")
         _no_comm_alloc(self._groups(recurse=False), "set_custom_reduce_scatter")
         for g in self._groups(recurse=False):
-            g.custom_reduce_scatter = comm
+            g.settings.custom_reduce_scatter = comm
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -249,7 +250,9 @@ class FSDPModule(_TorchFSDPModule):
             raise ValueError(f"max_input_buffers must be >= 1, got {max_input_buffers}")
         states = self._sharded_states(recurse)
         if max_input_buffers > 1 and any(
-            getattr(s.group.comm_alloc, "symmetric", False) for s in states if s.group is not None
+            getattr(s.settings.comm_alloc, "symmetric", False)
+            for s in states
+            if s.group is not None
         ):
             raise ValueError(
                 f"set_reduce_scatter_max_input_buffers({max_input_buffers}): this module's "
@@ -257,7 +260,7 @@ class FSDPModule(_TorchFSDPModule):
                 "more reductions in flight could exhaust; keep 1"
             )
         for s in states:
-            s.max_reduces_in_flight = max_input_buffers
+            s.settings.max_reduces_in_flight = max_input_buffers
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -266,7 +269,9 @@ class FSDPModule(_TorchFSDPModule):
         they need not queue behind gathers on one communicator."""
         flag = _bool("set_separate_reduce_scatter_group", enable)
         for g in self._groups(recurse):
-            g.reduce_scatter_group = _separate_group(g.shard_group) if flag else g.shard_group
+            g.settings.reduce_scatter_group = (
+                _separate_group(g.shard_group) if flag else g.shard_group
+            )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Gather outputs and reduction buffers from the process group's own allocator
@@ -281,16 +286,16 @@ class FSDPModule(_TorchFSDPModule):
                 collectives.process_group_allocator(g.shard_group, g.device) for g in groups
             ]
         for i, g in enumerate(groups):
-            g.comm_alloc = allocators[i] if flag else None
+            g.use_comm_alloc(allocators[i] if flag else None)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Gather outputs and reduction buffers in symmetric memory (NCCL only; refused
         elsewhere, naming the backend, and with more than one reduction in flight, as in
         FSDP2). Every rank calls it: it is a collective over the shard group."""
-        if self._shardwise_state.max_reduces_in_flight > 1:
+        if self._shardwise_state.settings.max_reduces_in_flight > 1:
             raise ValueError(
                 "set_symm_mem_for_comm: set_reduce_scatter_max_input_buffers is "
-                f"{self._shardwise_state.max_reduces_in_flight}; symmetric memory allows one "
+                f"{self._shardwise_state.settings.max_reduces_in_flight}; symmetric memory allows one "
                 "reduction in flight (its pool is not sized for more)"
             )
         actual = _backend(self._shardwise_state)
@@ -302,7 +307,7 @@ class FSDPModule(_TorchFSDPModule):
         groups = self._groups(recurse=False)
         _no_custom_comm(groups, "set_symm_mem_for_comm")
         for g in groups:
-            g.comm_alloc = collectives.symmetric_allocator(g.shard_group, g.device)
+            g.use_comm_alloc(collectives.symmetric_allocator(g.shard_group, g.device))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise RuntimeError(
@@ -397,7 +402,7 @@ def _bool(what: str, value: Any) -> bool:
 
 
 def _no_custom_comm(groups: list[ParamGroup], what: str) -> None:
-    if any(g.custom_all_gather or g.custom_reduce_scatter for g in groups):
+    if any(g.settings.custom_all_gather or g.settings.custom_reduce_scatter for g in groups):
         raise ValueError(
             f"{what}: this module has a custom all-gather or reduce-scatter, which allocates "
             "its own buffers; use one or the other"
@@ -405,7 +410,7 @@ def _no_custom_comm(groups: list[ParamGroup], what: str) -> None:
 
 
 def _no_comm_alloc(groups: list[ParamGroup], what: str) -> None:
-    if any(g.comm_alloc is not None for g in groups):
+    if any(g.settings.comm_alloc is not None for g in groups):
         raise ValueError(
             f"{what}: this module's communication buffers come from the process group or "
             "symmetric memory (set_allocate_memory_from_process_group_for_comm / "

@@ -30,7 +30,8 @@ import torch.nn as nn
 from .containers import map_tensors, tensors_in
 from .context import ALLOWED, ExecutionOrder, FSDPContext, LifecycleError, Phase, RootSettings
 from .param_group import Attachment, GroupState, ParamGroup, will_run
-from .precision import MixedPrecisionPolicy, cast_floats
+from .precision import cast_floats
+from .settings import GroupSettings
 from .trace import active as active_trace
 
 
@@ -40,9 +41,7 @@ class ModuleState:
     def __init__(
         self,
         modules: list[nn.Module],
-        reshard_after_forward: bool | None,
-        mp_policy: MixedPrecisionPolicy | None,
-        prefetch: int,
+        settings: GroupSettings,
         label: str,
         check: bool = False,
     ) -> None:
@@ -52,15 +51,7 @@ class ModuleState:
         self._to_run: set[int] = set()
         self.check = check
         self.label = label
-        # None is FSDP2's default: True, except for the root (its backward comes
-        # first). Resolved when the root is known (_lazy_init).
-        self.reshard_after_forward_setting = reshard_after_forward
-        self.reshard_after_forward = reshard_after_forward is not False
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True
-        self.max_reduces_in_flight = 1  # set_reduce_scatter_max_input_buffers
-        self.mp_policy = mp_policy
-        self.prefetch = prefetch
+        self.settings = settings  # the group's too (settings.py)
         self.group: ParamGroup | None = None
         self.context: FSDPContext | None = None
         self.phase = Phase.IDLE
@@ -112,12 +103,12 @@ class ModuleState:
             s._for_root.clear()
         # The static orders' prefetch targets, computed once here (the hooks run
         # for every module, every step), as the recorded orders' are.
-        depths = {id(s): s.prefetch for s in states}
+        depths = {id(s): s.settings.prefetch for s in states}
         forward, backward = ExecutionOrder(states, depths), ExecutionOrder(states[::-1], depths)
         for i, s in enumerate(states):
             s.context = ctx
-            if s.reshard_after_forward_setting is None:
-                s.reshard_after_forward = s is not self
+            if s.settings.reshard_after_forward_setting is None:
+                s.settings.reshard_after_forward = s is not self
             s.fwd_default = forward.targets[i]
             s.bwd_default = backward.targets[len(states) - 1 - i]
         return ctx
@@ -147,7 +138,7 @@ class ModuleState:
             prefetch = []
         for s in prefetch:
             g = s.group
-            if in_backward and not s.unshard_in_backward:
+            if in_backward and not s.settings.unshard_in_backward:
                 continue  # its backward needs no parameters
             if in_backward and g is not None and not g.reached_in_backward():
                 continue  # this backward stops before it (autograd.grad on an activation)
@@ -211,16 +202,25 @@ class ModuleState:
             if not self.group.attached and not later:
                 # (In a group, the first module's inputs get their gradients last.)
                 args, kwargs = _AfterInputGrads.wrap(self, args, kwargs)
-        policy = self.mp_policy
-        if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """The mixed-precision policy's input cast (``cast_forward_inputs``)."""
+        policy = self.settings.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
         return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.settings.mp_policy.output_dtype
+        if dtype is not None:
+            output = cast_floats(output, dtype)
+        return output
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         ctx = self.context
         assert ctx is not None
-        if self.mp_policy is not None and self.mp_policy.output_dtype is not None:
-            output = cast_floats(output, self.mp_policy.output_dtype)
+        output = self._cast_output(output)
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             # Bound to this forward's attachment: another forward (a no-grad
@@ -246,14 +246,14 @@ class ModuleState:
                 # The root runs backward first: by default (reshard_after_forward
                 # None) it is kept; wasted prefetches are dropped.
                 for s in ctx.states:
-                    if s.reshard_after_forward:
+                    if s.settings.reshard_after_forward:
                         s.reshard_now(keep=True)
             else:
                 # No backward follows: nobody may stay gathered, root included.
                 ctx.reshard_all()
             ctx.end_forward()
             self._arm_parts()
-        elif self.reshard_after_forward and self.group is not None:
+        elif self.settings.reshard_after_forward and self.group is not None:
             self.group.reshard(keep=True)
         return output
 
@@ -279,7 +279,7 @@ class ModuleState:
         needs = ctx.backward_needs(self)
         targets = self.bwd_targets if self.bwd_targets is not None else needs
         self._set_phase(Phase.BACKWARD)
-        if not self.unshard_in_backward:
+        if not self.settings.unshard_in_backward:
             return  # the user's promise: no parameter of this module is needed (an embedding)
         self._gather(targets if targets is not None else self.bwd_default)
         if self.group is not None and attachment is not None:
@@ -319,12 +319,12 @@ class ModuleState:
         assert ctx is not None and self.group is not None
         # Reshard first: the reduction reads gradients, not parameters, so the
         # unsharded parameters go before its buffers are allocated.
-        if self.reshard_after_backward:
+        if self.settings.reshard_after_backward:
             self.group.reshard()
         if grads is not None or self.group.owes_reduction:
             # One reduction in flight at a time (by default) bounds the gradient
             # memory held.
-            ctx.finish_reduces(keep=self.max_reduces_in_flight - 1, overlap=True)
+            ctx.finish_reduces(keep=self.settings.max_reduces_in_flight - 1, overlap=True)
             job = self.group.reduce_grads(
                 grads or [None] * len(self.group.params),
                 ctx.settings.is_last_backward,
@@ -353,7 +353,8 @@ class ModuleState:
         own = {id(m) for m in self.modules}  # their own hooks gather already
         parts = {id(m): m for sp in group.params for m, _ in sp.locations if id(m) not in own}
         for m in parts.values():
-            self._part_hooks.append(m.register_forward_pre_hook(outside_compile(self._before_part)))
+            pre = m.register_forward_pre_hook(outside_compile(self._before_part), with_kwargs=True)
+            self._part_hooks.append(pre)
             self._part_hooks.append(m.register_forward_hook(outside_compile(self._after_part)))
 
     def forget_part(self) -> None:
@@ -366,14 +367,16 @@ class ModuleState:
         self._part_hooks = []
         self._part = None
 
-    def _before_part(self, part: nn.Module, args: Any) -> None:
+    def _before_part(self, part: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Gather the root for a call of ``part`` on its own, and cast its inputs as
+        the root's pre-forward would: the part computes in ``param_dtype`` too."""
         ctx = self.context
         if ctx is None or self._part is not None or self.phase is not Phase.IDLE:
-            return  # inside a part already, or this module is in use
+            return None  # inside a part already, or this module is in use
         if ctx.in_forward or ctx.phase is Phase.BACKWARD or self.group is None:
-            return  # the root's own hooks gathered it
+            return None  # the root's own hooks gathered it
         if self.group.state is GroupState.UNSHARDED:
-            return
+            return None
         self._part = part
         if ctx.check:
             ctx.log(f"{self.label}: gathered for its part {type(part).__name__}")
@@ -381,11 +384,13 @@ class ModuleState:
         self._gather(ctx.forward_needs(self) or [])  # nothing to prefetch: counts a forward
         if torch.is_grad_enabled():
             self._attach()
+        return self._cast_inputs(args, kwargs)
 
-    def _after_part(self, part: nn.Module, args: Any, output: Any) -> None:
+    def _after_part(self, part: nn.Module, args: Any, output: Any) -> Any:
         if self._part is not part or self.group is None:
-            return
+            return None
         self._part = None
+        output = self._cast_output(output)
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             hook = functools.partial(self._pre_backward, self.group.attachment)
@@ -395,9 +400,10 @@ class ModuleState:
         # As after the root's forward: kept for a backward that follows (the
         # root's default), resharded when none does.
         if not (tensors and torch.is_grad_enabled() and part.training) or (
-            self.reshard_after_forward
+            self.settings.reshard_after_forward
         ):
             self.group.reshard()
+        return output
 
     def _attach(self) -> None:
         """Hand out this forward's autograd-tracked parameters (``_Unsharded``)."""
@@ -417,7 +423,7 @@ class ModuleState:
 
     def on_backward_end(self) -> None:
         if self.group is not None:
-            if self.reshard_after_backward:
+            if self.settings.reshard_after_backward:
                 self.group.reshard()
             self.group.detach_autograd()
         self.backward_done = False

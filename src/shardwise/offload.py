@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from .trace import label
+
 
 class OffloadPolicy:
     """No offloading: the default, as FSDP2's base class."""
@@ -72,6 +74,15 @@ def _download_stream() -> torch.cuda.Stream:
     return _downloads[device]
 
 
+def upload(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``flat`` on ``device``, copied up asynchronously if it is in host memory (its
+    own dtype: a copy that also cast would cast on the CPU first)."""
+    if flat.device == device:
+        return flat
+    with label("offload"):
+        return flat.to(device, non_blocking=True)
+
+
 def download(
     t: torch.Tensor, dtype: torch.dtype, pin: bool
 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -84,7 +95,7 @@ def download(
         return t.to(dtype), None
     stream = _download_stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), label("offload"):
         src = t.to(dtype)
         host = torch.empty(t.shape, dtype=dtype, pin_memory=pin)
         host.copy_(src, non_blocking=pin)

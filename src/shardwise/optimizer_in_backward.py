@@ -157,7 +157,7 @@ class OptimizerInBackward:
             (sp.sharded, sp.sharded.grad) for sp in group.params if sp.sharded.grad is not None
         ]
         ctx.stepped.append(group)
-        if self.threaded and group.offload_policy is not None:
+        if self.threaded and group.settings.offload_policy is not None:
             ctx.steps.append(_worker().submit(self._run, ctx, grads, download))
         else:
             self._run(ctx, grads, download)

@@ -31,19 +31,21 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import increment_version
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives
+from . import collectives, gather
 from .extensions import Extension, PackedGather, has_hooks
 from .flat_shard import FlatShard, local_of
-from .offload import CPUOffloadPolicy
-from .precision import MixedPrecisionPolicy, resolve_dtypes
+from .precision import resolve_dtypes
 from .reduce import ReduceJob
+from .settings import GroupSettings
 from .sharded_param import ShardedParam
 from .tensor_parallel import TPLayout
 from .trace import active as active_trace
+from .trace import label
 
 
 class GroupState(Enum):
@@ -53,17 +55,24 @@ class GroupState(Enum):
 
 
 class _OptimizerSteps:
-    """How many optimizer steps ran since shardwise first sharded a module.
+    """What optimizer steps changed, so that a group kept gathered gathers again.
 
     Why: a group kept gathered across a step (``set_reshard_after_backward(False)``,
-    an explicit ``unshard()``) must gather again, and foreach and fused
-    optimizer kernels bump no version counter that would say so
-    (``ParamGroup.stale``). One counter for the process, registered when the
-    first group is built (not at import) and O(1) per step: it touches no
-    parameter. The price: a step of another optimizer, over other parameters,
-    also makes such a kept group gather again (correct, once more than needed).
-    optimizer_in_backward's own steps are not counted: they run mid-backward
-    and reshard what they step themselves.
+    ``reshard_after_forward=False``, an explicit ``unshard()``) must gather the
+    new values, and foreach and fused optimizer kernels bump no version counter
+    that would say so (``ParamGroup.stale``). Registered when the first group
+    is built (not at import).
+
+    A step outside backward (the caller's ``optimizer.step()``) adds one to a
+    counter for the process, O(1): it touches no parameter, and every kept
+    group gathers again (a step of another optimizer over other parameters
+    too: once more than needed, never stale). A step inside backward (torch's
+    idiom, one optimizer per parameter stepped in its post-accumulate-grad
+    hook) bumps the version of each parameter it holds instead, as an in-place
+    update through autograd would: it steps one module's parameters while other
+    modules are kept gathered for their own backward, which must not gather
+    again. optimizer_in_backward's own steps are not counted: they reshard
+    what they step themselves.
     """
 
     count = 0
@@ -76,8 +85,12 @@ class _OptimizerSteps:
 
     @classmethod
     def _stepped(cls, optimizer: Any, *args: Any) -> None:
-        if not getattr(optimizer, "_shardwise_shadow", False):
+        if getattr(optimizer, "_shardwise_shadow", False):
+            return
+        if torch._C._current_graph_task_id() == -1:
             cls.count += 1
+        else:
+            increment_version([p for pg in optimizer.param_groups for p in pg["params"]])
 
 
 @dataclass(frozen=True)
@@ -102,15 +115,15 @@ class ParamGroup(FlatShard):
         self,
         named: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
         mesh: DeviceMesh,
-        mp_policy: MixedPrecisionPolicy | None,
+        settings: GroupSettings,
         label: str,
         tp: Sequence[TPLayout | None] | None = None,
         dims: Sequence[int] | None = None,
-        offload_policy: CPUOffloadPolicy | None = None,
     ) -> None:
-        """``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter);
+        """``settings``: the module state's own (one object, settings.py); ``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter);
         ``dims[i]``: the dimension it is split along (default 0)."""
         self.label = label
+        self.settings = settings
         self.mesh = mesh
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
@@ -122,34 +135,19 @@ class ParamGroup(FlatShard):
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
-        self.offload_policy = offload_policy
         self.orig_dtype = named[0][1].dtype
-        self.mp_policy = mp_policy or MixedPrecisionPolicy()
-        self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
+        # Derived from the policy and the shards' dtype (which model.to(dtype) changes).
+        self.compute_dtype, self.reduce_dtype = resolve_dtypes(settings.mp_policy, self.orig_dtype)
         self.state = GroupState.SHARDED
-        self.requires_gradient_sync = True
-        # FSDP2's reduction settings (FSDPModule.set_*; docs/design.md).
-        self.divide_factor: float | None = None  # None: the mean over every data-parallel rank
-        self.requires_all_reduce = True  # HSDP: False holds reduce-scattered sums back
-        self.reduce_scatter_unused = False  # give every trainable parameter a gradient
-        self.force_sum = False  # reduce with SUM only, never the backend's AVG
-        self.all_reduce_hook: Any = None  # called on the reduced shard, before assignment
+        if settings.reduce_scatter_group is None:
+            settings.reduce_scatter_group = self.shard_group
         self.step_in_backward: Any = None  # optimizer_in_backward's handle: steps once reduced
-        self.custom_all_gather: Any = None
-        self.custom_reduce_scatter: Any = None
-        self.reduce_scatter_group = self.shard_group  # or a separate one, to overlap gathers
-        # Where gather outputs and reduction buffers come from (None: the caching allocator).
-        self.comm_alloc: collectives.Allocator | None = None
-        # reshard_after_forward=int: after forward keep 1/n of the parameters, so
-        # that backward gathers over a group of n ranks only (set_post_forward_group).
-        self.post_forward_group: Any = None
-        self._kept: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None  # what reshard_after_forward=int kept for backward
         self._partial: tuple[list[int], torch.Tensor] | None = None  # (members, summed shard)
         self.prefetched = False  # gathered by another module's prefetch, not yet used
         self.last_used: list[bool] | None = None  # which parameters got gradients last time
         self._pending: collectives.Pending | None = None
-        self._gather_out: torch.Tensor | None = None
-        self._gather_in: torch.Tensor | None = None
+        self.gather: gather.Gather  # how it gathers (chosen with the layout, by _shard)
         # The current forward's tracked parameters and the parameters they stand for.
         self.attachment: Attachment | None = None
         # Their autograd node, kept for backward (``reached_in_backward``).
@@ -175,8 +173,6 @@ class ParamGroup(FlatShard):
                 sp.ext = Extension(fqn, p)
             self.params.append(sp)
             offset += sp.slot
-        # Parameters split along a dim other than 0 are copied out one by one.
-        self.interleaved = any(sp.dim != 0 for sp in self.params)
         self.ext_gather = PackedGather() if any(sp.ext for sp in self.params) else None
         self.shard_numel = offset
         self._shard(named)
@@ -199,72 +195,13 @@ class ParamGroup(FlatShard):
             self.step_in_backward.check_not_stepped(self)
         if any(local_of(sp.sharded) is not loc for sp, loc in zip(self.params, self._locals)):
             self.repack()  # someone replaced the shards (to_empty, .to())
-        if self.aliased:
+        pending = self.gather.issue(self)
+        if pending is None:  # nothing to wait for (aliased, a cast done at once)
             self.state = GroupState.UNSHARDED
             self._install_plain()
-            return
-        if self.ext_gather is not None:
-            self._gather_in, self._gather_out, self._pending = self.ext_gather.issue(self)
-            self.state = GroupState.GATHERING
-            return
-        if self.world == 1:
-            # One casting copy (or an upload) is the whole "gather". On a GPU it
-            # goes beside compute, like a gather's copy-in, so a prefetch hides it.
-            self._allocate_unsharded()
-            if self.device.type != "cuda" and self.offload_policy is None:  # done at once
-                self.unsharded_flat.copy_(self.flat)
-                self.state = GroupState.UNSHARDED
-                self._install_plain()
-                return
-            with collectives.side_stream("gather", self.device):
-                self.unsharded_flat.copy_(self.flat.to(self.device, non_blocking=True))
-                work = collectives.StreamWork(self.device)
-            kind = "cast" if self.offload_policy is None else "upload"
-            self._pending = collectives.Pending(work, label=self.label, kind=kind)
-            self._gather_out = self.unsharded_flat
-            self.state = GroupState.GATHERING
-            return
-        if self._kept is not None:
-            # What forward kept (reshard_after_forward=int): gather the rest over n ranks.
-            src, group, copy_in = self._kept, self.post_forward_group, False
         else:
-            src, group = self.flat, self.shard_group
-            # A cast to param_dtype, or an upload from host memory, comes first.
-            copy_in = self.flat.dtype != self.compute_dtype or self.flat.device != self.device
-        side = self.device if copy_in else None
-        if self._kept is None and self.gathers_in_place:
-            # Each parameter gathered straight into its own storage: no copy-out.
-            self._allocate_unsharded()
-            outs, slots, shards, sizes = self._in_place
-            with collectives.side_stream("gather", side):
-                if copy_in:  # cast (or uploaded) into this rank's slot of each output
-                    if self.flat.device != self.device:  # uploaded as it is, cast on the GPU
-                        shards = list(self.flat.to(self.device, non_blocking=True).split(sizes))
-                    torch._foreach_copy_(slots, shards)
-                self._pending = collectives.all_gather_each(
-                    outs, slots if copy_in else shards, group, self.label
-                )
-            self._gather_out = self.unsharded_flat
+            self._pending = pending
             self.state = GroupState.GATHERING
-            return
-        # Into one rank-major buffer, copied out to the parameters once gathered.
-        # The parameters' storage is allocated only at the copy-out: a gather in
-        # flight (a prefetch) holds one buffer, not two.
-        out = self.comm_buffer(self.world * self.shard_numel, self.compute_dtype)
-        if copy_in:
-            # Cast (or uploaded) straight into this rank's slot of the output:
-            # an in-place all-gather, no second buffer.
-            src = out.view(self.world, self.shard_numel)[self.rank]
-        with collectives.side_stream("gather", side):
-            if copy_in:
-                # Uploaded as it is, cast on the GPU (a cross-device copy that
-                # also casts would cast on the CPU first).
-                src.copy_(self.flat.to(self.device, non_blocking=True))
-            self._pending = collectives.all_gather(
-                out, src, group, self.label, self.custom_all_gather
-            )
-        self._gather_in, self._gather_out = src, out
-        self.state = GroupState.GATHERING
 
     def prefetches(self, in_backward: bool, past_first: bool = False) -> bool:
         """Whether this group's gather issues prefetches: whether gathering ahead
@@ -276,18 +213,10 @@ class ParamGroup(FlatShard):
         rank); after it, the finished block has freed more activations than
         one layer cast ahead holds. An alias, or a cast on the CPU, never:
         gathering those ahead only holds memory sooner."""
-        if self.world > 1 or self.offload_policy is not None:
+        if self.world > 1 or self.settings.offload_policy is not None:
             return True
         cast_on_gpu = self.device.type == "cuda" and not self.aliased and self.ext_gather is None
         return cast_on_gpu and (not in_backward or past_first)
-
-    @property
-    def gathers_in_place(self) -> bool:
-        """Whether each parameter is gathered into its own storage (``_in_place``).
-        Not a parameter split along another dim (the ranks' pieces interleave in
-        it), nor into buffers from a custom allocator or for a custom all-gather
-        (those get one flat rank-major buffer, as FSDP2 gives them)."""
-        return not self.interleaved and self.comm_alloc is None and self.custom_all_gather is None
 
     @property
     def in_flight(self) -> Any:
@@ -299,35 +228,51 @@ class ParamGroup(FlatShard):
             self.unshard()
         if self.state is not GroupState.GATHERING:
             return
-        assert self._pending is not None and self._gather_out is not None
+        assert self._pending is not None
         self._pending.wait()
-        if self.ext_gather is not None:
-            self._allocate_unsharded()
-            self.ext_gather.unpack(self, self._gather_out)
-        elif self._gather_out is not self.unsharded_flat:
-            self._allocate_unsharded()
-            gathered = self._gather_out.view(self.world, self.shard_numel)
-            if not self.interleaved:
-                torch.split_with_sizes_copy(
-                    gathered, [sp.slot for sp in self.params], dim=1, out=self._copy_out
-                )
-            else:
-                pieces = gathered.split([sp.slot for sp in self.params], dim=1)
-                for sp, piece, out in zip(self.params, pieces, self._copy_out):
-                    out.copy_(piece if sp.dim == 0 else sp.rank_major(piece))
-        self._pending = self._gather_in = self._gather_out = self._kept = None
+        self.gather.finish(self)
+        self._pending = self.kept = None
         self.state = GroupState.UNSHARDED
         self._install_plain()
 
+    def use_comm_alloc(self, alloc: collectives.Allocator | None) -> None:
+        """Gather outputs and reduction buffers from ``alloc`` (None: the caching allocator)."""
+        self.settings.comm_alloc = alloc
+        self.choose_gather()
+
+    def use_custom_all_gather(self, comm: Any) -> None:
+        self.settings.custom_all_gather = comm
+        self.choose_gather()
+
+    def use_post_forward_group(self, group: Any) -> None:
+        """``reshard_after_forward=int``'s group of n ranks (None: none; a bool replaced it)."""
+        self.settings.post_forward_group = group
+        self.kept = None
+        self.choose_gather()
+
     def comm_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.comm_alloc is not None:
-            return self.comm_alloc(numel, dtype)
+        if self.settings.comm_alloc is not None:
+            return self.settings.comm_alloc(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def _allocate_unsharded(self) -> None:
-        self.unsharded_flat.untyped_storage().resize_(
-            self.unsharded_flat.numel() * self.unsharded_flat.element_size()
-        )
+    def allocate_unsharded(self) -> None:
+        """Give the unsharded parameters their storage back (gather.py fills it)."""
+        with label("unsharded"):
+            self.unsharded_flat.untyped_storage().resize_(
+                self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+            )
+
+    def _make_unsharded_views(self, device: torch.device) -> None:
+        super()._make_unsharded_views(device)
+        self.choose_gather()  # a new layout (built, repacked, loaded) may gather another way
+
+    def choose_gather(self) -> None:
+        """Decide how this group gathers (gather.py): when its layout is built and
+        when a setting that decides it changes (``use_comm_alloc``,
+        ``use_custom_all_gather``, ``use_post_forward_group``)."""
+        if self.state is GroupState.GATHERING:
+            self.reshard()  # the gather in flight belongs to the old way
+        self.gather = gather.choose(self)
 
     def _shards_version(self) -> tuple[int, int]:
         # In-place updates through DTensor bump the parameter's own version
@@ -398,14 +343,19 @@ class ParamGroup(FlatShard):
     def reshard(self, keep: bool = False) -> None:
         """Free the unsharded parameters. ``keep``: after forward, with a post-forward
         group (``reshard_after_forward=int``), keep this rank's part for backward."""
-        if keep and self.post_forward_group is not None and self.state is GroupState.UNSHARDED:
-            self._kept = self._part_for_backward()
+        if (
+            keep
+            and self.settings.post_forward_group is not None
+            and self.state is GroupState.UNSHARDED
+        ):
+            self.kept = self._part_for_backward()
         elif not keep:
-            self._kept = None
+            self.kept = None
         if self.state is GroupState.GATHERING:
             assert self._pending is not None
             self._pending.wait()
-            self._pending = self._gather_in = self._gather_out = None
+            self._pending = None
+            self.gather.drop()
         elif self.state is GroupState.SHARDED:
             return
         for sp in self.params:
@@ -425,13 +375,13 @@ class ParamGroup(FlatShard):
 
     def drop_kept(self) -> None:
         """Forget the part kept after forward (``reshard_after_forward=int``)."""
-        self._kept = None
+        self.kept = None
 
     def _part_for_backward(self) -> torch.Tensor:
         """The rank-major gather input for the post-forward group: the pieces of
         ``world / n`` consecutive ranks, so that gathering it over the n ranks of
         the group (in their order) yields every rank's piece in rank order."""
-        n = self.post_forward_group.size()
+        n = self.settings.post_forward_group.size()
         per = self.world // n
         start = (self.rank % n) * per
         parts = []
@@ -440,12 +390,13 @@ class ParamGroup(FlatShard):
                 parts.append(out[start : start + per])
             else:
                 parts.append(out.transpose(0, 1)[start : start + per].reshape(per, sp.slot))
-        return torch.cat(parts, dim=1).view(-1)
+        with label("post-forward part"):
+            return torch.cat(parts, dim=1).view(-1)
 
     @property
     def unsharded_bytes(self) -> int:
         """Bytes of unsharded storage this group holds right now (also a kept part)."""
-        kept = 0 if self._kept is None else self._kept.nbytes
+        kept = 0 if self.kept is None else self.kept.nbytes
         kept += sum(sp.ext.nbytes for sp in self.params if sp.ext is not None)
         if self.aliased:
             return kept
@@ -463,7 +414,7 @@ class ParamGroup(FlatShard):
         are summed locally instead and the first synced backward reduces that
         sum once.
         """
-        if not self.requires_gradient_sync:
+        if not self.settings.requires_gradient_sync:
             self.accumulate(grads)
             return None
         if self._accum is not None:
@@ -473,7 +424,7 @@ class ParamGroup(FlatShard):
             ]
             self._accum = None
         used = [g is not None for g in grads]
-        if not any(used) and self._partial is not None and self.requires_all_reduce:
+        if not any(used) and self._partial is not None and self.settings.requires_all_reduce:
             # HSDP sums held back, of a module this backward did not reach:
             # zeros carry them through the reduce-scatter to the all-reduce.
             held = set(self._partial[0])
@@ -509,9 +460,11 @@ class ParamGroup(FlatShard):
         reach its module: a local sum (gradient sync was off) or HSDP sums held
         back from the all-reduce, which is on again. Left for the module's next
         use, they would land on a later step."""
-        if not self.requires_gradient_sync:
+        if not self.settings.requires_gradient_sync:
             return False
-        return self._accum is not None or (self._partial is not None and self.requires_all_reduce)
+        return self._accum is not None or (
+            self._partial is not None and self.settings.requires_all_reduce
+        )
 
     def take_held_back(self) -> tuple[list[int], torch.Tensor] | None:
         """HSDP sums held back by ``set_requires_all_reduce(False)`` (the members'

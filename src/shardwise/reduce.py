@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import collectives, offload
+from .trace import label
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -36,8 +37,8 @@ class ReduceJob:
         group: ParamGroup,
         grads: list[torch.Tensor | None],
         used: list[bool],
-        last_backward: bool = True,
-        downloads: list[Any] | None = None,
+        last_backward: bool,
+        downloads: list[Any] | None,
     ):
         """``last_backward``: this backward ends the microbatches (only then does
         optimizer_in_backward step; decided now, since an earlier microbatch's job
@@ -59,7 +60,7 @@ class ReduceJob:
         self.members = [
             sp for sp, t in zip(g.params, grads) if t is not None or sp.sharded.requires_grad
         ]
-        if g.reduce_scatter_unused:
+        if g.settings.reduce_scatter_unused:
             # Every rank assigns every member: a parameter used on some ranks
             # only gets the mean (zeros from the others) everywhere.
             member = {sp.index for sp in self.members}
@@ -68,53 +69,57 @@ class ReduceJob:
         self.steps = g.step_in_backward is not None and last_backward
         self._downloaded: Any = None  # offload: the event of the copy to the host
         hsdp = g.replicate_group is not None
-        plain = g.divide_factor is None and g.all_reduce_hook is None
+        plain = g.settings.divide_factor is None and g.settings.all_reduce_hook is None
         device = g.device
         # One rank, nothing else to do: nothing to average, the gradients are
         # the shards, cast to the parameters' dtype (on a GPU beside compute,
         # below; else on assignment).
-        alone = g.world == 1 and not hsdp and plain and g.offload_policy is None
+        alone = g.world == 1 and not hsdp and plain and g.settings.offload_policy is None
         cast = device.type == "cuda" and any(
             t is not None and t.dtype != g.orig_dtype for t in grads
         )
-        if alone and g.reduce_scatter_unused:
+        if alone and g.settings.reduce_scatter_unused:
             grads = _zeros_for(g, grads, self.members)
         if alone and not cast:
             self.shards: list[Any] = [None if t is None else t.contiguous() for t in grads]
             return
         if alone:  # only the parameters with gradients: nothing to send for the others
             self.members = [sp for sp, t in zip(g.params, grads) if t is not None]
-        padded = _zeros_for(g, grads, self.members)
-        filled = [sp.for_reduce(t) for sp in self.members if (t := padded[sp.index]) is not None]
-        if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
-            filled = [t.to(g.reduce_dtype) for t in filled]
-        numel = sum(sp.slot for sp in self.members)
-        self.out = g.comm_buffer(numel, g.orig_dtype if alone else g.reduce_dtype)
-        # The copy-in overlaps the backward compute queued next. The gradients
-        # it reads may be freed as soon as it has run, not when the reduction
-        # is waited for: record_stream tells the allocator so.
-        slots = [sp.slot for sp in self.members]
-        if g.world == 1:  # the copy-in (a cast, a layout) is all there is
-            self._rs_in = None
-            with collectives.side_stream("reduce", device):
-                _copy_in(filled, slots, self.out.view(1, numel))
-                _record_stream(filled, device)
-                work = collectives.StreamWork(device)
-            self._pending = collectives.Pending(work, label=g.label, kind="cast")
-        else:
-            self._rs_in = g.comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
-            with collectives.side_stream("reduce", device):
-                _copy_in(filled, slots, self._rs_in)
-                _record_stream(filled, device)
-                self._pending = collectives.reduce_scatter(
-                    self.out,
-                    self._rs_in.view(-1),
-                    g.reduce_scatter_group,
-                    g.label,
-                    divide_by=None if g.divide_factor is not None else g.world,
-                    comm=g.custom_reduce_scatter,
-                    sum_only=g.force_sum,
-                )
+        # Labelled: what a memory record finds allocated here is reduction buffers.
+        with label("reduce"):
+            padded = _zeros_for(g, grads, self.members)
+            filled = [
+                sp.for_reduce(t) for sp in self.members if (t := padded[sp.index]) is not None
+            ]
+            if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
+                filled = [t.to(g.reduce_dtype) for t in filled]
+            numel = sum(sp.slot for sp in self.members)
+            self.out = g.comm_buffer(numel, g.orig_dtype if alone else g.reduce_dtype)
+            # The copy-in overlaps the backward compute queued next. The gradients
+            # it reads may be freed as soon as it has run, not when the reduction
+            # is waited for: record_stream tells the allocator so.
+            slots = [sp.slot for sp in self.members]
+            if g.world == 1:  # the copy-in (a cast, a layout) is all there is
+                self._rs_in = None
+                with collectives.side_stream("reduce", device):
+                    _copy_in(filled, slots, self.out.view(1, numel))
+                    _record_stream(filled, device)
+                    work = collectives.StreamWork(device)
+                self._pending = collectives.Pending(work, label=g.label, kind="cast")
+            else:
+                self._rs_in = g.comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
+                with collectives.side_stream("reduce", device):
+                    _copy_in(filled, slots, self._rs_in)
+                    _record_stream(filled, device)
+                    self._pending = collectives.reduce_scatter(
+                        self.out,
+                        self._rs_in.view(-1),
+                        g.settings.reduce_scatter_group,
+                        g.label,
+                        divide_by=None if g.settings.divide_factor is not None else g.world,
+                        comm=g.settings.custom_reduce_scatter,
+                        sum_only=g.settings.force_sum,
+                    )
         self.shards = []
 
     @property
@@ -155,11 +160,11 @@ class ReduceJob:
             self._all_reducing = None
         if not self.shards:
             out = self.out
-            if g.divide_factor is not None:
-                out.div_(g.divide_factor)
-            if g.all_reduce_hook is not None:
-                g.all_reduce_hook(out)
-            if g.offload_policy is not None:
+            if g.settings.divide_factor is not None:
+                out.div_(g.settings.divide_factor)
+            if g.settings.all_reduce_hook is not None:
+                g.settings.all_reduce_hook(out)
+            if g.settings.offload_policy is not None:
                 out = self._download(out)
             self.shards = [None] * len(g.params)
             offset = 0
@@ -173,8 +178,8 @@ class ReduceJob:
     def _download(self, out: torch.Tensor) -> torch.Tensor:
         """The reduced shards, copied to host memory (offload): the CPU gradients."""
         g = self.group
-        assert g.offload_policy is not None and self._downloads is not None
-        host, done = offload.download(out, g.orig_dtype, g.offload_policy.pin_memory)
+        assert g.settings.offload_policy is not None and self._downloads is not None
+        host, done = offload.download(out, g.orig_dtype, g.settings.offload_policy.pin_memory)
         if done is not None:
             if any(sp.sharded.grad is not None for sp in self.members):
                 done.synchronize()  # added to CPU gradients now: they must have arrived
@@ -199,11 +204,11 @@ class ReduceJob:
                     "only after a backward that all-reduces"
                 )
             out.add_(partial)
-        if not g.requires_all_reduce:
+        if not g.settings.requires_all_reduce:
             g.hold_back(members, out)
             return None
         replicas = g.replicate_group.size()
-        divide = None if g.divide_factor is not None else replicas
+        divide = None if g.settings.divide_factor is not None else replicas
         return collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide)
 
 

@@ -13,8 +13,9 @@ accounting, taken on one extra, untimed step after the timed ones:
   Replaying the record finds the moment the allocated total peaks, and each
   block live then is put under what allocated it: a gradient, parameter or
   optimizer-state storage by identity with the tensors above; otherwise by
-  stack (shardwise's or FSDP2's gather code, their collectives, activation
-  recomputation) and else by phase (allocated in forward: activations; in
+  the label shardwise's runtime gave it (``shardwise.trace.label``: gathered
+  parameters or communication buffers), by stack (FSDP2's gather code and
+  collectives, activation recomputation) and else by phase (allocated in forward: activations; in
   backward: backward temporaries). What was allocated before the step and is
   none of the exact parts is ``other``, as are optimizer-step temporaries.
 - CPU: there is no allocator record and the peak is the process's RSS, so the
@@ -31,6 +32,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from shardwise.trace import LABELS, PREFIX, memory_labels
 
 # Attributed parts on CUDA, in the order the tables print them.
 CUDA_PARTS = (
@@ -49,11 +52,18 @@ MARK = "memory_mark"  # the function whose allocations delimit phases in the rec
 PHASES = ("forward", "backward", "step")
 MAX_ENTRIES = 2_000_000  # far above one step at 7B; a full ring buffer is reported
 
-# Functions whose allocations are unsharded parameter storage. Anything else
-# allocated by the same files is a communication buffer (gather input/output,
-# reduce-scatter input/output), unless it survives as a gradient.
-_SHARDWISE_GATHERED = {"_allocate_unsharded", "_make_unsharded_views", "_part_for_backward"}
-_SHARDWISE_COMM_FILES = ("shardwise/param_group.py", "shardwise/collectives.py")
+# shardwise labels its own allocations (``shardwise.trace.label``: the CUDA
+# allocator's record carries the label as each allocation's ``user_metadata``):
+# the gathered parameters' storage, and what backward gathers from after
+# forward, are gathered parameters; every other label is a communication
+# buffer (a gather's input or output, a copy-out, a reduction's buffers, an
+# offload copy), unless it survives as a gradient.
+_GATHERED_LABELS = ("unsharded", "post-forward part")
+SHARDWISE_LABELS = {
+    PREFIX + name: "gathered_params" if name in _GATHERED_LABELS else "comm_buffers"
+    for name in LABELS
+}
+# FSDP2 has no such labels: its allocations are told apart by function and file.
 _FSDP2_GATHERED = {
     "alloc_all_gather_outputs",
     "init_all_gather_outputs",
@@ -137,17 +147,16 @@ def memory_mark(device: torch.device) -> None:
     torch.empty(1, device=device)
 
 
-def classify(frames: list[dict[str, Any]], phase: str) -> str:
-    """The part an allocation that is none of the exact parts belongs to."""
+def classify(frames: list[dict[str, Any]], phase: str, label: str = "") -> str:
+    """The part an allocation that is none of the exact parts belongs to; ``label``:
+    the scope the runtime had labelled it with (the record's ``user_metadata``)."""
+    if label in SHARDWISE_LABELS:
+        return SHARDWISE_LABELS[label]
     comm = recompute = False
     for f in frames:
         filename = str(f.get("filename", "")).replace("\\", "/")
         name = f.get("name", "")
-        if filename.endswith(_SHARDWISE_COMM_FILES):
-            if name in _SHARDWISE_GATHERED:
-                return "gathered_params"
-            comm = True
-        elif "torch/distributed/fsdp/" in filename:
+        if "torch/distributed/fsdp/" in filename:
             if name in _FSDP2_GATHERED:
                 return "gathered_params"
             comm = comm or filename.endswith(_FSDP2_COMM_FILES)
@@ -200,7 +209,9 @@ def attribute_peak(
                 continue
             k = bisect.bisect(marks, i)  # marks before this allocation
             phase = PHASES[k] if k < len(PHASES) else "other"
-            part = identity.get(i) or classify(e.get("frames", []), phase)
+            part = identity.get(i) or classify(
+                e.get("frames", []), phase, e.get("user_metadata", "")
+            )
             n = _round_block(e["size"])
             blocks[e["addr"]] = (n, part)
             totals[part] += n
@@ -254,7 +265,8 @@ def cuda_memory_step(
     snapshot: Any = None
     recording = problem is None
     try:
-        run_step(mark)
+        with memory_labels():  # shardwise's allocations carry their scope's label
+            run_step(mark)
         torch.cuda.synchronize()
         if problem is None:
             try:
