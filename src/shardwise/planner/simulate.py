@@ -47,6 +47,7 @@ class Simulation:
     peak_module: str
     by_kind: dict[str, int]
     host_bytes: dict[str, int]
+    host_peak_bytes: int = 0  # offload: the most host memory live in the recorded step
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     n_params: int = 0
 
@@ -119,7 +120,13 @@ def simulate(
         else:
             mesh = collectives.device_mesh("cpu", (world,))
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake, tracker, tracker.watching_resize(), saving_as_activations(tracker):
+        with (
+            fake,
+            tracker,
+            tracker.watching_resize(),
+            tracker.downloads_to_host(),
+            saving_as_activations(tracker),
+        ):
             torch.manual_seed(0)
             model = build()
             if any(p.is_meta for p in model.parameters()):
@@ -166,6 +173,7 @@ def simulate(
             by_kind: dict[str, int] = {}
             host: dict[str, int] = {}
             stop_at = -1
+            host_peak = 0
             counting = False
 
             def take() -> None:
@@ -178,6 +186,7 @@ def simulate(
                     recording = counting = step == 1
                     tracker.events = [] if step >= 1 else None
                     tracker.peak = 0
+                    tracker.host_peak = tracker.host_total
                     stopped = _one_step(
                         model,
                         opt,
@@ -200,6 +209,7 @@ def simulate(
                             e.live += extra
                         peak_index = max(range(len(events)), key=lambda i: events[i].live)
                         stop_at = peak_index
+                        host_peak = tracker.host_peak
                         tracker.staging_now = staging[peak_index]
                     if stopped:
                         break
@@ -216,6 +226,7 @@ def simulate(
         peak_module=at.module,
         by_kind=by_kind,
         host_bytes=host,
+        host_peak_bytes=host_peak,
         collectives={"whole_bytes": whole, "bytes_per_rank": moved},
         n_params=n_params,
     )

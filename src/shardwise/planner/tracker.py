@@ -93,6 +93,8 @@ class Tracker(TorchDispatchMode):
         self.module = ""
         self.host_storages: set[int] = set()  # offloaded: not device memory
         self.peak = 0
+        self.host_total = 0  # bytes of the host storages live
+        self.host_peak = 0
         # A CPU target: gloo's own staging buffers (not seen as operators' outputs).
         self.gloo_staging = False
         self.unbound: list[int] = []
@@ -111,7 +113,13 @@ class Tracker(TorchDispatchMode):
         return (n + r - 1) // r * r if n else 0
 
     def _device_bytes(self, key: int, n: int) -> int:
-        return 0 if key in self.host_storages else n
+        """``n`` more bytes of storage ``key``: the device's share (a host storage's go
+        to the host's count)."""
+        if key in self.host_storages:
+            self.host_total += n
+            self.host_peak = max(self.host_peak, self.host_total)
+            return 0
+        return n
 
     def track(self, t: torch.Tensor, tag: str = "") -> None:
         s = t.untyped_storage()
@@ -130,7 +138,7 @@ class Tracker(TorchDispatchMode):
     def _freed(self, key: int) -> None:
         entry = self.live.pop(key, None)
         if entry is not None:
-            self.total -= self._device_bytes(key, entry.nbytes)
+            self.total += self._device_bytes(key, -entry.nbytes)
             self.host_storages.discard(key)
 
     def _resized(self, key: int, s: Any, tag: str = "") -> None:
@@ -149,11 +157,34 @@ class Tracker(TorchDispatchMode):
             if key in self.live and key not in self.host_storages:
                 self.total -= self.live[key].nbytes
                 self.host_storages.add(key)
+                self._device_bytes(key, self.live[key].nbytes)
 
     def tag(self, t: torch.Tensor, tag: str) -> None:
         entry = self.live.get(id(t.untyped_storage()))
         if entry is not None and not entry.tag:
             entry.tag = tag
+
+    @contextmanager
+    def downloads_to_host(self) -> Iterator[None]:
+        """Offload: what ``offload.download`` returns is host memory from the moment it
+        exists (a CPU run makes it with ``.to``, often the device buffer itself, which
+        the real download frees once copied)."""
+        from .. import offload
+
+        original = offload.download
+        tracker = self
+
+        def download(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> Any:
+            host, done = original(t, dtype, pin)
+            tracker.track(host)
+            tracker.mark_host([host.untyped_storage()])
+            return host, done
+
+        offload.download = download  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            offload.download = original
 
     @contextmanager
     def watching_resize(self) -> Iterator[None]:

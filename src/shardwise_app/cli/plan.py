@@ -192,6 +192,8 @@ def print_plan(p: Any, title: str) -> None:
     t.add_row("reached in", f"{p.peak_phase} {p.peak_module}".strip())
     for kind, n in p.host_bytes.items():
         t.add_row(f"host: {kind}", gib(n))
+    if p.host_peak_bytes:
+        t.add_row("host peak", gib(p.host_peak_bytes))
     for kind, n in p.collectives["bytes_per_rank"].items():
         t.add_row(f"{kind} moved", gib(n))
     tm = p.time
