@@ -110,7 +110,7 @@ def plan(
     sim = simulate(
         build, world_size, policy, hardware, batch_size, seq_len, hsdp, input_fn, loss_fn
     )
-    t = replay(sim.events, hardware, world_size, policy.offload)
+    t = replay(sim.events, hardware, world_size, policy.offload, sim.host_params)
     return Plan(
         world_size=world_size,
         hsdp=hsdp,

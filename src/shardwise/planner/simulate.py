@@ -48,6 +48,7 @@ class Simulation:
     by_kind: dict[str, int]
     host_bytes: dict[str, int]
     host_peak_bytes: int = 0  # offload: the most host memory live in the recorded step
+    host_params: int = 0  # offload: elements of this rank's shards (stepped on the host)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     n_params: int = 0
 
@@ -135,8 +136,11 @@ def simulate(
             params = list(model.parameters())
             n_params = sum(p.numel() for p in params)
             opt = make_optimizer(model, hw.device, offload)
+            host_params = 0
             if offload:
-                tracker.mark_host(storages_of([getattr(p, "_local_tensor", p) for p in params]))
+                local = [getattr(p, "_local_tensor", p) for p in params]
+                tracker.mark_host(storages_of(local))
+                host_params = sum(t.numel() for t in local)
             handles = _label_modules(model, blocks, tracker)
 
             def grads_to_host() -> None:
@@ -227,6 +231,7 @@ def simulate(
         by_kind=by_kind,
         host_bytes=host,
         host_peak_bytes=host_peak,
+        host_params=host_params,
         collectives={"whole_bytes": whole, "bytes_per_rank": moved},
         n_params=n_params,
     )

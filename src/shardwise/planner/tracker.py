@@ -50,6 +50,7 @@ class Event:
     numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
     dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
     staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
+    transfer: int = 0  # op: bytes crossing between host and device (offload's copies)
 
 
 def _sdpa_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
@@ -178,6 +179,7 @@ class Tracker(TorchDispatchMode):
             host, done = original(t, dtype, pin)
             tracker.track(host)
             tracker.mark_host([host.untyped_storage()])
+            tracker.record(kind="op", transfer=host.numel() * host.element_size())
             return host, done
 
         offload.download = download  # type: ignore[assignment]
@@ -242,10 +244,14 @@ class Tracker(TorchDispatchMode):
         else:
             nbytes = sum(t.numel() * t.element_size() for t in flat_in + flat_out)
             flops = op_flops(func, args, kwargs, out)
-        host = bool(self.host_storages) and all(
-            id(t.untyped_storage()) in self.host_storages for t in flat_in + flat_out
-        )
-        if host:  # an offloaded optimizer's own temporaries live on the host too
+        # An op on host storages only is the host's (its fresh outputs are host memory
+        # too); host inputs into a device output are an upload (a CPU run copies there).
+        on_host = [id(t.untyped_storage()) in self.host_storages for t in flat_in]
+        host = bool(on_host) and all(on_host)
+        transfer = 0
+        if not host and any(on_host) and flat_out and not func.is_view:
+            transfer = sum(t.numel() * t.element_size() for t, h in zip(flat_in, on_host) if h)
+        if host:
             self.mark_host(storages_of(flat_out))
         low = any(t.dtype in (torch.bfloat16, torch.float16) for t in flat_in)
         dt = any(hasattr(t, "_local_tensor") for t in leaves)
@@ -257,6 +263,7 @@ class Tracker(TorchDispatchMode):
             low_precision=low,
             host=host,
             dtensor=dt,
+            transfer=transfer,
         )
         return out
 
