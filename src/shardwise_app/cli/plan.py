@@ -115,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--suite",
-        choices=("h200", "cpu"),
+        choices=("h200", "h200-offload", "cpu"),
         default=None,
         help="predict and measure a fixed set of configurations, each in its own "
         "process; --json FILE (and FILE with .md) gets the table",
