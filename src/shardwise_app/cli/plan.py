@@ -322,6 +322,7 @@ def _shared_cores(hw: Any, ranks: int) -> Any:
         matmul_flops_fp32=hw.matmul_flops_fp32 * share,
         mem_bw=hw.mem_bw * share,
         host_mem_bw=hw.host_mem_bw * share,
+        host_adamw_bw=hw.host_adamw_bw * share,
         op_overhead=hw.op_overhead / share,
         view_overhead=hw.view_overhead / share,
         dtensor_overhead=hw.dtensor_overhead / share,
