@@ -13,6 +13,11 @@ between them: ``timeline.py`` replays that order against the rates.
 Kinds are known for some storages when they appear (a collective's buffers,
 gathered parameters, tensors autograd saves); parameters, gradients and
 optimizer state are recognised when the caller takes a ``snapshot``.
+
+With offload every storage is a CPU tensor here, host or not, so host memory
+is classified: what the caller marks (the shards), what ``offload.download``
+returns (the gradients) and what an operator makes from host storages only
+(the optimizer's moments and temporaries). Only the rest is device memory.
 """
 
 from __future__ import annotations
