@@ -111,3 +111,60 @@ def test_predicted_peak_within_3_percent_of_two_gloo_ranks(tmp_path: Path) -> No
     measured = d["measured"]["peak_bytes"][0]
     assert abs(d["peak_bytes"] - measured) <= 0.03 * measured, (d["peak_bytes"], measured)
     assert "predicted vs measured" in out.stdout
+
+
+STATES = ("sharded_params", "grads", "optimizer_state")
+
+
+def _offload_plans() -> dict[str, Any]:
+    from shardwise.planner import H200, Policy, plan
+    from shardwise_app.models.gpt import GPT, SIZES
+
+    def run(world: int, ac: str, offload: bool, hw: Any = H200) -> Any:
+        p = plan(
+            lambda: GPT(SIZES["tiny"]),
+            world,
+            batch_size=2,
+            seq_len=64,
+            policy=Policy(ac=ac, offload=offload),
+            hardware=hw,
+        )
+        return {
+            "peak": p.peak_bytes,
+            "kinds": p.peak_by_kind,
+            "host": p.host_bytes,
+            "host_peak": p.host_peak_bytes,
+            "n_params": p.n_params,
+            "optimizer_s": p.time.by_phase["optimizer"],
+        }
+
+    fast = H200.with_overrides(host_adamw_bw=2 * H200.host_adamw_bw)
+    return {
+        "w4_on": run(4, "none", False),
+        "w4_off": run(4, "none", True),
+        "w1_off": run(1, "non-reentrant", True),
+        "w1_off_fast": run(1, "non-reentrant", True, fast),
+        "rate": H200.host_adamw_bw,
+    }
+
+
+def test_offload_counts_the_states_as_host_memory_for_a_cuda_target() -> None:
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        out = pool.submit(_offload_plans).result(timeout=200)
+    on, off = out["w4_on"], out["w4_off"]
+    # Same step, same peak moment: the device peak drops by exactly the states' bytes,
+    # which are now the host's.
+    states = sum(on["kinds"].get(k, 0) for k in STATES)
+    assert states > 0 and off["peak"] == on["peak"] - states, (on, off)
+    assert not set(STATES) & set(off["kinds"]), off["kinds"]
+    assert off["host"] == {k: on["kinds"][k] for k in off["host"]}, (on, off)
+    # One GPU, checkpointed (the H200 rows): the gradients downloaded during backward
+    # are host memory too; the host holds parameters, gradients and both moments at once.
+    one = out["w1_off"]
+    assert not set(STATES) & set(one["kinds"]), one["kinds"]
+    host = one["host"]
+    assert one["host_peak"] >= 2 * host["sharded_params"] + host["optimizer_state"], one
+    # The host's AdamW: 32 bytes a parameter at host_adamw_bw; twice the rate saves half.
+    saved = one["optimizer_s"] - out["w1_off_fast"]["optimizer_s"]
+    expect = one["n_params"] * 32 / (2 * out["rate"])
+    assert abs(saved - expect) < 1e-6 * expect, (saved, expect)

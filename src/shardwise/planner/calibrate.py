@@ -5,7 +5,9 @@ against measured steps, so the rates must come from somewhere else. Each
 figure is the best of a few repeats of one kind of work: a large matrix
 product (FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
 tiny add (the fixed cost of one operator), a view, and an add on a DTensor
-(its Python dispatch; needs a process group, skipped without one).
+(its Python dispatch; needs a process group, skipped without one), and torch's
+AdamW stepping host fp32 parameters (an offloaded optimizer, on the host's
+threads whatever the device).
 Communication bandwidth is left to the caller (it depends on the links).
 """
 
@@ -18,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from .policy import H200, THIS_CPU, Hardware
+from .timeline import ADAMW_BYTES_PER_PARAM
 
 
 def _best(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
@@ -30,6 +33,17 @@ def _best(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> f
         sync()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def host_adamw_bw(numel: int = 1 << 22, tensors: int = 8, repeats: int = 3) -> float:
+    """Bytes/s (``ADAMW_BYTES_PER_PARAM`` a parameter) of the for-loop AdamW on host
+    fp32 parameters, as an offloaded optimizer steps them."""
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn(numel)
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    seconds = _best(opt.step, repeats, lambda: None)
+    return ADAMW_BYTES_PER_PARAM * numel * tensors / seconds
 
 
 def calibrate(device: str = "cpu", size: int = 1024, repeats: int = 5) -> Hardware:
@@ -70,5 +84,6 @@ def calibrate(device: str = "cpu", size: int = 1024, repeats: int = 5) -> Hardwa
         op_overhead=op,
         view_overhead=view,
         dtensor_overhead=dt,
+        host_adamw_bw=host_adamw_bw(),
         source=f"calibrate({device!r}) on this machine, {torch.get_num_threads()} threads",
     )

@@ -44,7 +44,8 @@ class Plan:
     peak_phase: str  # "forward" | "backward" | "optimizer"
     peak_module: str
     peak_by_kind: dict[str, int]
-    host_bytes: dict[str, int]  # offloaded state, on the host
+    host_bytes: dict[str, int]  # offloaded state, on the host, at the device's peak
+    host_peak_bytes: int  # offload: the most host memory live in the step
     collectives: dict[str, dict[str, int]]
     time: StepTime
     memory_curve: list[tuple[float, int, str]] = field(default_factory=list)  # (ms, bytes, phase)
@@ -67,6 +68,7 @@ class Plan:
             "peak_where": {"phase": self.peak_phase, "module": self.peak_module},
             "peak_by_kind": self.peak_by_kind,
             "host_bytes": self.host_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
             "collectives": self.collectives,
             "step_ms": self.step_ms,
             "time": self.time.as_dict(),
@@ -108,7 +110,7 @@ def plan(
     sim = simulate(
         build, world_size, policy, hardware, batch_size, seq_len, hsdp, input_fn, loss_fn
     )
-    t = replay(sim.events, hardware, world_size, policy.offload)
+    t = replay(sim.events, hardware, world_size, policy.offload, sim.host_params)
     return Plan(
         world_size=world_size,
         hsdp=hsdp,
@@ -122,6 +124,7 @@ def plan(
         peak_module=sim.peak_module,
         peak_by_kind=sim.by_kind,
         host_bytes=sim.host_bytes,
+        host_peak_bytes=sim.host_peak_bytes,
         collectives=sim.collectives,
         time=t,
         memory_curve=_curve(t.times, sim.events),

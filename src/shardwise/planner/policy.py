@@ -51,7 +51,10 @@ class Hardware:
     ``op_overhead``: the fixed cost of one operator (launch, dispatch).
     ``intra_bw``/``inter_bw``: a collective's bus bandwidth inside one node of
     ``ranks_per_node`` ranks / across nodes; ``latency`` per collective.
-    ``host_*``: the CPU, for an offloaded optimizer step; ``h2d_bw`` the copies.
+    ``host_*``: the CPU, for an offloaded optimizer step: ``host_adamw_bw`` what
+    torch's AdamW reaches on host fp32 parameters, counted as 32 bytes a
+    parameter (timeline.ADAMW_BYTES_PER_PARAM; ``host_mem_bw`` for other host
+    operators); ``h2d_bw`` the copies between host and device.
     ``alloc_round``: the device allocator's block size (allocated bytes are
     multiples of it).
     """
@@ -70,6 +73,7 @@ class Hardware:
     host_mem_bw: float
     h2d_bw: float
     alloc_round: int
+    host_adamw_bw: float = 0.0  # 0: host_mem_bw
     device: str = "cuda"  # what the optimizer defaults to there (foreach on CUDA)
     source: str = ""
 
@@ -99,7 +103,12 @@ H200 = Hardware(
     host_mem_bw=100e9,
     h2d_bw=45e9,
     alloc_round=512,
-    source="H200 datasheet peaks, derated (not measured)",
+    # Not measured apart: what the H200 host's offloaded rows of 2026-12-02 leave
+    # for AdamW once the device step and the copies are taken off (0.94B and 6.45B
+    # GPT both about 0.75e9 parameters/s); the 2-core development machine
+    # measures 3.7-5.3e9 B/s on 2 threads. calibrate("cuda") measures the host's own.
+    host_adamw_bw=24e9,
+    source="H200 datasheet peaks, derated (not measured); host AdamW from the offload rows",
 )
 
 # The 2-core development machine the CPU rows of docs/scaling.md were measured
@@ -119,6 +128,7 @@ THIS_CPU = Hardware(
     host_mem_bw=1.31e9,
     h2d_bw=5e9,
     alloc_round=1,
+    host_adamw_bw=4.5e9,  # torch's for-loop AdamW, 2 threads (2026-12-02, 3.7-5.3e9)
     device="cpu",
     source="calibrate('cpu') on the 2-core development machine, 2 gloo ranks of 1 thread "
     "running it at once (2026-12-02); gloo bandwidth and latency assumed",

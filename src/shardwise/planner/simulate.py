@@ -47,6 +47,8 @@ class Simulation:
     peak_module: str
     by_kind: dict[str, int]
     host_bytes: dict[str, int]
+    host_peak_bytes: int = 0  # offload: the most host memory live in the recorded step
+    host_params: int = 0  # offload: elements of this rank's shards (stepped on the host)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     n_params: int = 0
 
@@ -119,7 +121,13 @@ def simulate(
         else:
             mesh = collectives.device_mesh("cpu", (world,))
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake, tracker, tracker.watching_resize(), saving_as_activations(tracker):
+        with (
+            fake,
+            tracker,
+            tracker.watching_resize(),
+            tracker.downloads_to_host(),
+            saving_as_activations(tracker),
+        ):
             torch.manual_seed(0)
             model = build()
             if any(p.is_meta for p in model.parameters()):
@@ -128,8 +136,11 @@ def simulate(
             params = list(model.parameters())
             n_params = sum(p.numel() for p in params)
             opt = make_optimizer(model, hw.device, offload)
+            host_params = 0
             if offload:
-                tracker.mark_host(storages_of([getattr(p, "_local_tensor", p) for p in params]))
+                local = [getattr(p, "_local_tensor", p) for p in params]
+                tracker.mark_host(storages_of(local))
+                host_params = sum(t.numel() for t in local)
             handles = _label_modules(model, blocks, tracker)
 
             def grads_to_host() -> None:
@@ -166,6 +177,7 @@ def simulate(
             by_kind: dict[str, int] = {}
             host: dict[str, int] = {}
             stop_at = -1
+            host_peak = 0
             counting = False
 
             def take() -> None:
@@ -178,6 +190,7 @@ def simulate(
                     recording = counting = step == 1
                     tracker.events = [] if step >= 1 else None
                     tracker.peak = 0
+                    tracker.host_peak = tracker.host_total
                     stopped = _one_step(
                         model,
                         opt,
@@ -200,6 +213,7 @@ def simulate(
                             e.live += extra
                         peak_index = max(range(len(events)), key=lambda i: events[i].live)
                         stop_at = peak_index
+                        host_peak = tracker.host_peak
                         tracker.staging_now = staging[peak_index]
                     if stopped:
                         break
@@ -216,6 +230,8 @@ def simulate(
         peak_module=at.module,
         by_kind=by_kind,
         host_bytes=host,
+        host_peak_bytes=host_peak,
+        host_params=host_params,
         collectives={"whole_bytes": whole, "bytes_per_rank": moved},
         n_params=n_params,
     )

@@ -21,6 +21,10 @@ from typing import Any
 from .policy import Hardware
 from .tracker import Event
 
+# AdamW reads a parameter, its gradient and two moments and writes the parameter and
+# the moments: 28 bytes an fp32 parameter, and the for-loop's temporaries about 4 more.
+ADAMW_BYTES_PER_PARAM = 32
+
 
 @dataclass
 class StepTime:
@@ -46,14 +50,20 @@ class StepTime:
         }
 
 
-def op_seconds(e: Event, hw: Hardware) -> float:
+def op_seconds(e: Event, hw: Hardware, host_per_byte: float = 0.0, copies: bool = True) -> float:
+    """One operator's time. ``host_per_byte``: seconds per byte an offloaded optimizer's
+    op touches (its step's whole time spread over its ops); ``copies``: time the
+    host-device copies here (one rank; else the communication stream has them)."""
     extra = hw.dtensor_overhead if e.dtensor else 0.0
+    copy = e.transfer / hw.h2d_bw if copies else 0.0
     if not e.nbytes and not e.flops:
-        return hw.view_overhead + extra
+        return max(hw.view_overhead, copy) + extra
     if e.host:
-        return e.nbytes / hw.host_mem_bw + hw.op_overhead + extra
+        per_byte = host_per_byte or 1.0 / hw.host_mem_bw
+        return e.nbytes * per_byte + hw.op_overhead + extra
     rate = hw.matmul_flops if e.low_precision else hw.matmul_flops_fp32
-    return max(e.flops / rate if e.matmul else 0.0, e.nbytes / hw.mem_bw) + hw.op_overhead + extra
+    kernel = max(e.flops / rate if e.matmul else 0.0, e.nbytes / hw.mem_bw)
+    return max(kernel, copy) + hw.op_overhead + extra
 
 
 def comm_seconds(e: Event, hw: Hardware, world: int, offload: bool) -> float:
@@ -66,7 +76,19 @@ def comm_seconds(e: Event, hw: Hardware, world: int, offload: bool) -> float:
     return t
 
 
-def replay(events: list[Event], hw: Hardware, world: int, offload: bool = False) -> StepTime:
+def replay(
+    events: list[Event], hw: Hardware, world: int, offload: bool = False, host_params: int = 0
+) -> StepTime:
+    """``host_params``: elements of the offloaded shards, whose AdamW step runs on the
+    host at ``hw.host_adamw_bw`` (``ADAMW_BYTES_PER_PARAM`` each)."""
+    host_bytes = sum(e.nbytes for e in events if e.kind == "op" and e.host)
+    per_byte = 0.0
+    if host_params and host_bytes:
+        rate = hw.host_adamw_bw or hw.host_mem_bw
+        per_byte = host_params * ADAMW_BYTES_PER_PARAM / rate / host_bytes
+    # More than one rank: an offloaded gather's upload and a reduction's download
+    # are timed with the collective (comm_seconds).
+    copies = not any(e.kind == "issue" for e in events)
     clock = 0.0  # compute stream
     comm_free = 0.0  # communication stream
     comm_total = exposed = flops = 0.0
@@ -77,7 +99,7 @@ def replay(events: list[Event], hw: Hardware, world: int, offload: bool = False)
     times = []
     for e in events:
         if e.kind == "op":
-            dt = op_seconds(e, hw)
+            dt = op_seconds(e, hw, per_byte, copies)
             clock += dt
             flops += e.flops
             by_phase[e.phase] = by_phase.get(e.phase, 0.0) + dt

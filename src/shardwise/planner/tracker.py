@@ -13,6 +13,11 @@ between them: ``timeline.py`` replays that order against the rates.
 Kinds are known for some storages when they appear (a collective's buffers,
 gathered parameters, tensors autograd saves); parameters, gradients and
 optimizer state are recognised when the caller takes a ``snapshot``.
+
+With offload every storage is a CPU tensor here, host or not, so host memory
+is classified: what the caller marks (the shards), what ``offload.download``
+returns (the gradients) and what an operator makes from host storages only
+(the optimizer's moments and temporaries). Only the rest is device memory.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Event:
     numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
     dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
     staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
+    transfer: int = 0  # op: bytes crossing between host and device (offload's copies)
 
 
 def _sdpa_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
@@ -93,6 +99,8 @@ class Tracker(TorchDispatchMode):
         self.module = ""
         self.host_storages: set[int] = set()  # offloaded: not device memory
         self.peak = 0
+        self.host_total = 0  # bytes of the host storages live
+        self.host_peak = 0
         # A CPU target: gloo's own staging buffers (not seen as operators' outputs).
         self.gloo_staging = False
         self.unbound: list[int] = []
@@ -111,7 +119,13 @@ class Tracker(TorchDispatchMode):
         return (n + r - 1) // r * r if n else 0
 
     def _device_bytes(self, key: int, n: int) -> int:
-        return 0 if key in self.host_storages else n
+        """``n`` more bytes of storage ``key``: the device's share (a host storage's go
+        to the host's count)."""
+        if key in self.host_storages:
+            self.host_total += n
+            self.host_peak = max(self.host_peak, self.host_total)
+            return 0
+        return n
 
     def track(self, t: torch.Tensor, tag: str = "") -> None:
         s = t.untyped_storage()
@@ -130,7 +144,7 @@ class Tracker(TorchDispatchMode):
     def _freed(self, key: int) -> None:
         entry = self.live.pop(key, None)
         if entry is not None:
-            self.total -= self._device_bytes(key, entry.nbytes)
+            self.total += self._device_bytes(key, -entry.nbytes)
             self.host_storages.discard(key)
 
     def _resized(self, key: int, s: Any, tag: str = "") -> None:
@@ -149,11 +163,35 @@ class Tracker(TorchDispatchMode):
             if key in self.live and key not in self.host_storages:
                 self.total -= self.live[key].nbytes
                 self.host_storages.add(key)
+                self._device_bytes(key, self.live[key].nbytes)
 
     def tag(self, t: torch.Tensor, tag: str) -> None:
         entry = self.live.get(id(t.untyped_storage()))
         if entry is not None and not entry.tag:
             entry.tag = tag
+
+    @contextmanager
+    def downloads_to_host(self) -> Iterator[None]:
+        """Offload: what ``offload.download`` returns is host memory from the moment it
+        exists (a CPU run makes it with ``.to``, often the device buffer itself, which
+        the real download frees once copied)."""
+        from .. import offload
+
+        original = offload.download
+        tracker = self
+
+        def download(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> Any:
+            host, done = original(t, dtype, pin)
+            tracker.track(host)
+            tracker.mark_host([host.untyped_storage()])
+            tracker.record(kind="op", transfer=host.numel() * host.element_size())
+            return host, done
+
+        offload.download = download  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            offload.download = original
 
     @contextmanager
     def watching_resize(self) -> Iterator[None]:
@@ -211,10 +249,14 @@ class Tracker(TorchDispatchMode):
         else:
             nbytes = sum(t.numel() * t.element_size() for t in flat_in + flat_out)
             flops = op_flops(func, args, kwargs, out)
-        host = bool(self.host_storages) and all(
-            id(t.untyped_storage()) in self.host_storages for t in flat_in + flat_out
-        )
-        if host:  # an offloaded optimizer's own temporaries live on the host too
+        # An op on host storages only is the host's (its fresh outputs are host memory
+        # too); host inputs into a device output are an upload (a CPU run copies there).
+        on_host = [id(t.untyped_storage()) in self.host_storages for t in flat_in]
+        host = bool(on_host) and all(on_host)
+        transfer = 0
+        if not host and any(on_host) and flat_out and not func.is_view:
+            transfer = sum(t.numel() * t.element_size() for t, h in zip(flat_in, on_host) if h)
+        if host:
             self.mark_host(storages_of(flat_out))
         low = any(t.dtype in (torch.bfloat16, torch.float16) for t in flat_in)
         dt = any(hasattr(t, "_local_tensor") for t in leaves)
@@ -226,6 +268,7 @@ class Tracker(TorchDispatchMode):
             low_precision=low,
             host=host,
             dtensor=dt,
+            transfer=transfer,
         )
         return out
 

@@ -115,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--suite",
-        choices=("h200", "cpu"),
+        choices=("h200", "h200-offload", "cpu"),
         default=None,
         help="predict and measure a fixed set of configurations, each in its own "
         "process; --json FILE (and FILE with .md) gets the table",
@@ -192,6 +192,8 @@ def print_plan(p: Any, title: str) -> None:
     t.add_row("reached in", f"{p.peak_phase} {p.peak_module}".strip())
     for kind, n in p.host_bytes.items():
         t.add_row(f"host: {kind}", gib(n))
+    if p.host_peak_bytes:
+        t.add_row("host peak", gib(p.host_peak_bytes))
     for kind, n in p.collectives["bytes_per_rank"].items():
         t.add_row(f"{kind} moved", gib(n))
     tm = p.time
@@ -320,6 +322,7 @@ def _shared_cores(hw: Any, ranks: int) -> Any:
         matmul_flops_fp32=hw.matmul_flops_fp32 * share,
         mem_bw=hw.mem_bw * share,
         host_mem_bw=hw.host_mem_bw * share,
+        host_adamw_bw=hw.host_adamw_bw * share,
         op_overhead=hw.op_overhead / share,
         view_overhead=hw.view_overhead / share,
         dtensor_overhead=hw.dtensor_overhead / share,
