@@ -2,13 +2,21 @@
 
 Why micro-benchmarks and not a fitted step: the planner's error is judged
 against measured steps, so the rates must come from somewhere else. Each
-figure is the best of a few repeats of one kind of work: a large matrix
-product (FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
+figure is the best of a few repeats of one kind of work: a linear layer's
+forward and backward (FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
 tiny add (the fixed cost of one operator), a view, and an add on a DTensor
-(its Python dispatch; needs a process group, skipped without one), and torch's
-AdamW stepping host fp32 parameters (an offloaded optimizer, on the host's
-threads whatever the device).
-Communication bandwidth is left to the caller (it depends on the links).
+(its Python dispatch), torch's AdamW stepping host fp32 parameters (an
+offloaded optimizer, on the host's threads whatever the device), and, in a
+process group of several ranks, an all-gather over them (latency and bus
+bandwidth inside one node). Across nodes is left to the caller (it depends
+on the links).
+
+Why a linear layer and not one square product: a training step's matrix
+products come in threes (forward, input gradient, weight gradient) with
+their operands in three different layouts, and a device without native bf16
+(a CPU without AVX-512 BF16 or AMX) runs them at rates apart by up to 7x
+(2026-12-02, this development machine: 0.7 to 5.6 GFLOP/s in bf16 by layout,
+34 in fp32 whatever the layout). The three together are what a block pays.
 """
 
 from __future__ import annotations
@@ -46,7 +54,33 @@ def host_adamw_bw(numel: int = 1 << 22, tensors: int = 8, repeats: int = 3) -> f
     return ADAMW_BYTES_PER_PARAM * numel * tensors / seconds
 
 
-def calibrate(device: str = "cpu", size: int = 1024, repeats: int = 5) -> Hardware:
+def linear_flops(
+    dtype: torch.dtype, device: torch.device, shape: tuple[int, int, int], repeats: int = 5
+) -> float:
+    """FLOP/s of one linear layer's forward and backward, ``shape`` = (tokens, in, out)."""
+    tokens, d_in, d_out = shape
+    x = torch.randn(tokens, d_in, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(d_out, d_in, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(tokens, d_out, device=device, dtype=dtype)
+
+    def fwd_bwd() -> object:
+        # autograd.grad, not backward: no accumulation into .grad (an add the step
+        # would not pay per product)
+        return torch.autograd.grad(torch.nn.functional.linear(x, w), (x, w), dy)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return 3 * 2 * tokens * d_in * d_out / _best(fwd_bwd, repeats, sync)
+
+
+# (tokens, in, out): a transformer MLP's up projection at sizes each device trains.
+CPU_LINEAR = (512, 512, 2048)
+CUDA_LINEAR = (8192, 2048, 8192)
+
+
+def calibrate(device: str = "cpu", repeats: int = 5) -> Hardware:
     """This device's rates, as a ``Hardware`` based on the matching default."""
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -55,11 +89,9 @@ def calibrate(device: str = "cpu", size: int = 1024, repeats: int = 5) -> Hardwa
         if cuda:
             torch.cuda.synchronize(dev)
 
-    a = torch.randn(size, size, device=dev)
-    b = torch.randn(size, size, device=dev)
-    fp32 = 2 * size**3 / _best(lambda: a @ b, repeats, sync)
-    ah, bh = a.bfloat16(), b.bfloat16()
-    bf16 = 2 * size**3 / _best(lambda: ah @ bh, repeats, sync)
+    shape = CUDA_LINEAR if cuda else CPU_LINEAR
+    fp32 = linear_flops(torch.float32, dev, shape, repeats)
+    bf16 = linear_flops(torch.bfloat16, dev, shape, repeats)
     big = torch.randn(1 << 24, device=dev)
     mem = 3 * big.numel() * 4 / _best(lambda: big + big, repeats, sync)
     tiny = torch.randn(8, device=dev)
@@ -67,23 +99,65 @@ def calibrate(device: str = "cpu", size: int = 1024, repeats: int = 5) -> Hardwa
     op = _best(lambda: [tiny + tiny for _ in range(n)], repeats, sync) / n
     view = _best(lambda: [tiny.view(2, 4) for _ in range(n)], repeats, sync) / n
     base = H200 if cuda else THIS_CPU
-    dt = base.dtensor_overhead
+    rates: dict[str, float] = {}
+    if cuda:
+        host = torch.randn(1 << 24)
+        rates["host_mem_bw"] = 3 * host.numel() * 4 / _best(lambda: host + host, repeats, sync)
+        pinned = host.pin_memory()
+        copy = _best(lambda: pinned.to(dev, non_blocking=True), repeats, sync)
+        rates["h2d_bw"] = pinned.numel() * 4 / copy
+    else:
+        rates["host_mem_bw"] = mem
     from .. import collectives
 
-    if collectives.initialized() and not cuda:
-        from torch.distributed.tensor import DTensor, Replicate
-
-        mesh = collectives.device_mesh(dev.type, (collectives.world_size(),))
-        d = DTensor.from_local(tiny, mesh, [Replicate()])
-        dt = max(0.0, _best(lambda: [d.add_(1.0) for _ in range(200)], repeats, sync) / 200 - op)
+    if collectives.initialized() and collectives.world_size() > 1:
+        rates.update(_collective_rates(dev, repeats, sync))
+        if not cuda:
+            rates["dtensor_overhead"] = _dtensor_overhead(dev, tiny, op, repeats, sync)
     return replace(
         base,
-        matmul_flops=bf16 if cuda else fp32,
+        matmul_flops=bf16,
         matmul_flops_fp32=fp32,
         mem_bw=mem,
         op_overhead=op,
         view_overhead=view,
-        dtensor_overhead=dt,
         host_adamw_bw=host_adamw_bw(),
         source=f"calibrate({device!r}) on this machine, {torch.get_num_threads()} threads",
+        **rates,
     )
+
+
+def _collective_rates(
+    dev: torch.device, repeats: int, sync: Callable[[], None]
+) -> dict[str, float]:
+    """The world's all-gather: ``latency`` (a few bytes) and bus bandwidth (16 MiB a
+    rank's output), as the timeline charges them: ``latency + bytes per rank / bw``,
+    bytes per rank (n-1)/n of the output. The world is one node here: ``intra_bw``."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def gather(numel: int) -> Callable[[], object]:
+        inp = torch.ones(numel // n, device=dev)
+        out = torch.empty(numel // n * n, device=dev)
+        return lambda: gather_into(out, inp)
+
+    latency = _best(gather(8 * n), repeats, sync)
+    numel = 1 << 22
+    big = _best(gather(numel), repeats, sync)
+    moved = numel * 4 * (n - 1) / n
+    return {"latency": latency, "intra_bw": moved / max(big - latency, 1e-9)}
+
+
+def _dtensor_overhead(
+    dev: torch.device, tiny: torch.Tensor, op: float, repeats: int, sync: Callable[[], None]
+) -> float:
+    """DTensor's Python dispatch on one operator, beyond the operator itself."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from .. import collectives
+
+    mesh = collectives.device_mesh(dev.type, (collectives.world_size(),))
+    d = DTensor.from_local(tiny, mesh, [Replicate()])
+    return max(0.0, _best(lambda: [d.add_(1.0) for _ in range(200)], repeats, sync) / 200 - op)

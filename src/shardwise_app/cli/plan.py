@@ -20,6 +20,7 @@ from typing import Any
 from .main import UsageError
 
 HF_PREFIX = "hf:"
+SUITE_NAMES = ("h200", "h200-offload", "cpu", "scaling")  # plan_suite.SUITES
 
 
 def parse_raf(text: str) -> bool | int:
@@ -101,6 +102,18 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (h200: 8)")
     p.add_argument("--matmul-tflops", type=float, default=None, help="achieved matmul TFLOP/s")
+    p.add_argument(
+        "--rates",
+        default=None,
+        metavar="FILE",
+        help="predict with the rates in FILE (written by --calibrate) instead of --hardware",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's rates (--nproc ranks at once) and print them; "
+        "--json FILE writes them for --rates",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="write the prediction as JSON")
     p.add_argument(
         "--plot", default=None, metavar="FILE", help="plot predicted memory over the step"
@@ -115,12 +128,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--suite",
-        choices=("h200", "h200-offload", "cpu"),
+        choices=SUITE_NAMES,
         default=None,
         help="predict and measure a fixed set of configurations, each in its own "
         "process; --json FILE (and FILE with .md) gets the table",
     )
     p.add_argument("--measure-out", default=None, help=argparse.SUPPRESS)  # a measuring worker
+    p.add_argument("--calibrate-out", default=None, help=argparse.SUPPRESS)  # a calibrating one
     return p
 
 
@@ -235,7 +249,11 @@ def main(argv: list[str]) -> int:
     if args.suite:
         from .plan_suite import run_suite
 
-        return run_suite(args.suite, args.json)
+        return run_suite(args.suite, args.json, ["--rates", args.rates] if args.rates else [])
+    if args.calibrate or args.calibrate_out:
+        from .plan_rates import calibrate_worker, is_calibrating_worker, run_calibration
+
+        return calibrate_worker(args) if is_calibrating_worker(args) else run_calibration(args)
     from shardwise.planner import GIB, HARDWARE, NothingFits, Policy, fastest_within, plan
 
     if args.world_size < 1:
@@ -264,8 +282,15 @@ def main(argv: list[str]) -> int:
     if is_measuring_worker(args):
         return run_worker(args, build)
     policy = Policy(args.mp, args.ac, raf, args.offload, args.prefetch)
-    hw_name = args.hardware or ("cpu" if args.measure and not _cuda() else "h200")
-    hw = HARDWARE[hw_name].with_overrides(
+    if args.rates and args.hardware:
+        raise UsageError("--rates and --hardware both say which rates to use: give one")
+    if args.rates:
+        from .plan_rates import load_rates
+
+        base = load_rates(args.rates)
+    else:
+        base = HARDWARE[args.hardware or ("cpu" if args.measure and not _cuda() else "h200")]
+    hw = base.with_overrides(
         intra_bw=args.intra_bw and args.intra_bw * 1e9,
         inter_bw=args.inter_bw and args.inter_bw * 1e9,
         ranks_per_node=args.ranks_per_node,

@@ -1,4 +1,4 @@
-"""``shardwise plan --suite h200|h200-offload|cpu --json FILE``: predicted vs measured over a set of configurations.
+"""``shardwise plan --suite h200|h200-offload|cpu|scaling --json FILE``: predicted vs measured over a set of configurations.
 
 Why one command: the planner's error table in docs/scaling.md must be
 reproducible by one invocation. Each configuration is its own
@@ -67,7 +67,8 @@ SUITES = {
 }
 
 
-def run_suite(name: str, out_json: str | None) -> int:
+def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -> int:
+    """``extra``: flags every configuration gets (``--rates FILE``)."""
     rows: list[dict[str, Any]] = []
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,6 +81,7 @@ def run_suite(name: str, out_json: str | None) -> int:
                 "shardwise",
                 "plan",
                 *argv,
+                *(extra or []),
                 *measure,
                 "--json",
                 str(out),

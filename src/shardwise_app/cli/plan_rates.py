@@ -1,0 +1,123 @@
+"""``shardwise plan --calibrate`` and ``--rates FILE``: this machine's rates, measured once and stated.
+
+Why a file: a predicted step is only as good as the rates behind it, and the
+built-in ones (``shardwise.planner.policy``) are one H200 and one 2-core CPU.
+``--calibrate`` measures the machine it runs on (``planner.calibrate``) and
+writes every rate as JSON; ``--rates FILE`` predicts with them, and the
+plan's JSON says which rates it used.
+
+Why every rank at once: ranks that share a machine share its memory
+bandwidth and, on a CPU, its cores, so a rate measured by one process alone
+is one no training rank sees. ``--nproc`` ranks (default: one per GPU, or
+one per core on a CPU) calibrate together under one process group, started
+by our launcher like any run; rank 0 writes what it measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from .main import Launch, UsageError, check_nproc, in_worker, init_worker, launch, usable_cpus
+
+
+def run_calibration(args: Any) -> int:
+    """Launch the calibrating ranks; print the rates and write them to ``--json``."""
+    import tempfile
+
+    import torch
+
+    nproc = args.nproc or (
+        torch.cuda.device_count() if torch.cuda.is_available() else usable_cpus()
+    )
+    check_nproc(nproc)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rates.json"
+        code = launch(
+            "plan", {"calibrate_out": str(out)}, Launch(nproc), lambda _id, sig: 128 + sig
+        )
+        if code or not out.is_file():
+            raise SystemExit(code or 1)
+        rates = json.loads(out.read_text())
+    text = json.dumps(rates, indent=2) + "\n"
+    print(text, end="")
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0
+
+
+def is_calibrating_worker(args: Any) -> bool:
+    return in_worker() and bool(getattr(args, "calibrate_out", None))
+
+
+def calibrate_worker(args: Any) -> int:
+    import torch.distributed as dist
+
+    from shardwise.planner.calibrate import calibrate
+
+    w = init_worker()
+    dist.barrier()  # every rank measures at the same time
+    hw = calibrate(w.device.type if w.device.type != "cuda" else str(w.device))
+    dist.barrier()
+    if w.is_main:
+        source = f"{hw.source}, {dist.get_world_size()} ranks at once"
+        Path(args.calibrate_out).write_text(
+            json.dumps(dataclasses.asdict(dataclasses.replace(hw, source=source)))
+        )
+    dist.destroy_process_group()
+    return 0
+
+
+def load_rates(path: str) -> Any:
+    """A ``Hardware`` from a ``--calibrate`` file; one clear error for a wrong one."""
+    from shardwise.planner import Hardware
+
+    fields = {f.name: f for f in dataclasses.fields(Hardware)}
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(f"--rates {path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--rates {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--rates {path}: expected a JSON object of rates")
+    unknown = sorted(set(data) - set(fields))
+    missing = sorted(
+        n
+        for n, f in fields.items()
+        if n not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    )
+    if unknown or missing:
+        what = "; ".join(
+            part
+            for part in (
+                f"unknown {', '.join(unknown)}" if unknown else "",
+                f"missing {', '.join(missing)}" if missing else "",
+            )
+            if part
+        )
+        raise UsageError(
+            f"--rates {path}: {what}. Write the file with `shardwise plan --calibrate --json FILE`"
+        )
+    for name, value in data.items():
+        if name in TEXT:
+            if not isinstance(value, str):
+                raise UsageError(f"--rates {path}: {name} must be a string, got {value!r}")
+            continue
+        least = 0 if name in MAY_BE_ZERO else 1 if name in COUNTS else 1e-300
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
+            need = ">= 0" if least == 0 else ">= 1" if least == 1 else "> 0"
+            raise UsageError(f"--rates {path}: {name} must be a number {need}, got {value!r}")
+        if name in COUNTS and value != int(value):
+            raise UsageError(f"--rates {path}: {name} must be a whole number, got {value!r}")
+    return Hardware(**{k: int(v) if k in COUNTS else v for k, v in data.items()})
+
+
+TEXT = ("name", "device", "source")
+COUNTS = ("ranks_per_node", "alloc_round")
+# Fixed costs may be nothing; host_adamw_bw 0 means host_mem_bw. Every other rate divides.
+MAY_BE_ZERO = ("op_overhead", "view_overhead", "dtensor_overhead", "latency", "host_adamw_bw")
