@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -99,7 +100,7 @@ def calibrate(device: str = "cpu", repeats: int = 5) -> Hardware:
     op = _best(lambda: [tiny + tiny for _ in range(n)], repeats, sync) / n
     view = _best(lambda: [tiny.view(2, 4) for _ in range(n)], repeats, sync) / n
     base = H200 if cuda else THIS_CPU
-    rates: dict[str, float] = {}
+    rates: dict[str, Any] = {}
     if cuda:
         host = torch.randn(1 << 24)
         rates["host_mem_bw"] = 3 * host.numel() * 4 / _best(lambda: host + host, repeats, sync)

@@ -114,7 +114,8 @@ def load_rates(path: str) -> Any:
             raise UsageError(f"--rates {path}: {name} must be a number {need}, got {value!r}")
         if name in COUNTS and value != int(value):
             raise UsageError(f"--rates {path}: {name} must be a whole number, got {value!r}")
-    return Hardware(**{k: int(v) if k in COUNTS else v for k, v in data.items()})
+    values: dict[str, Any] = {k: int(v) if k in COUNTS else v for k, v in data.items()}
+    return Hardware(**values)
 
 
 TEXT = ("name", "device", "source")
