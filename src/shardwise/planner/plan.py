@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from .op_costs import measure
 from .policy import H200, Hardware, Policy
 from .setup import InputFn, LossFn, lm_loss, token_batch
 from .simulate import check_world, simulate
@@ -49,6 +50,8 @@ class Plan:
     collectives: dict[str, dict[str, int]]
     time: StepTime
     memory_curve: list[tuple[float, int, str]] = field(default_factory=list)  # (ms, bytes, phase)
+    # How compute was timed: {"mode": "rates"} or measured (op_costs.py) with its counts.
+    compute: dict[str, Any] = field(default_factory=lambda: {"mode": "rates"})
 
     @property
     def step_ms(self) -> float:
@@ -72,6 +75,7 @@ class Plan:
             "collectives": self.collectives,
             "step_ms": self.step_ms,
             "time": self.time.as_dict(),
+            "compute": self.compute,
         }
 
 
@@ -95,6 +99,8 @@ def plan(
     hardware: Hardware = H200,
     input_fn: InputFn = token_batch,
     loss_fn: LossFn = lm_loss,
+    compute: str = "rates",
+    slowdown: float = 1.0,
 ) -> Plan:
     """Predict one training step of ``build()``'s model at ``world_size`` ranks.
 
@@ -104,12 +110,45 @@ def plan(
     ``policy`` says; forward, backward and an AdamW step run on the real
     runtime under a fake process group. ``batch_size`` is sequences per rank.
     ``hsdp`` > 1: a ``(hsdp, world_size // hsdp)`` replicate x shard mesh.
+    ``compute``: "rates" times each operator from its FLOPs and bytes at
+    ``hardware``'s rates; "measured" runs each distinct operator on this
+    machine's device (op_costs.py), which must be ``hardware.device``, and
+    multiplies its time by ``slowdown`` (ranks sharing a core: ranks / cores).
     """
     policy = policy or Policy()
     check_world(world_size, hsdp)
+    if compute not in COMPUTE_MODES:
+        raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
+    measured = compute == "measured"
+    if measured:
+        check_measurable(hardware)
     sim = simulate(
-        build, world_size, policy, hardware, batch_size, seq_len, hsdp, input_fn, loss_fn
+        build,
+        world_size,
+        policy,
+        hardware,
+        batch_size,
+        seq_len,
+        hsdp,
+        input_fn,
+        loss_fn,
+        record_calls=measured,
     )
+    how: dict[str, Any] = {"mode": compute}
+    if measured:
+        ops = [e for e in sim.events if e.kind == "op"]
+        costs = measure([e.call for e in ops], hardware.device)
+        for e in ops:
+            if e.call is not None and e.call.key in costs.seconds:
+                e.seconds = costs.seconds[e.call.key] * slowdown
+        how.update(
+            distinct_calls=costs.measured,
+            failed=costs.failed,
+            ops_measured=sum(e.seconds is not None for e in ops),
+            ops=len(ops),
+            measuring_s=costs.wall_s,
+            slowdown=slowdown,
+        )
     t = replay(sim.events, hardware, world_size, policy.offload, sim.host_params)
     return Plan(
         world_size=world_size,
@@ -128,7 +167,27 @@ def plan(
         collectives=sim.collectives,
         time=t,
         memory_curve=_curve(t.times, sim.events),
+        compute=how,
     )
+
+
+COMPUTE_MODES = ("rates", "measured")
+
+
+def check_measurable(hardware: Hardware) -> None:
+    """Measured compute runs the operators here: only for a target that is this device."""
+    import torch
+
+    if hardware.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"compute='measured' times operators on this machine's device, and "
+            f"{hardware.name!r} is a CUDA target with no GPU here: use compute='rates'"
+        )
+    if hardware.device == "cpu" and torch.cuda.is_available():
+        raise ValueError(
+            f"compute='measured' would time on this machine's CPU for {hardware.name!r}, "
+            "a CPU target, while a GPU is here: predict the CPU from its rates, or the GPU"
+        )
 
 
 def candidate_policies(base: Policy) -> list[Policy]:

@@ -74,6 +74,9 @@ class Hardware:
     h2d_bw: float
     alloc_round: int
     host_adamw_bw: float = 0.0  # 0: host_mem_bw
+    # False where the collectives' work runs on the cores compute needs (gloo ranks
+    # filling a CPU's cores): a collective then adds its time to the compute stream.
+    comm_overlaps: bool = True
     device: str = "cuda"  # what the optimizer defaults to there (foreach on CUDA)
     source: str = ""
 
@@ -129,6 +132,7 @@ THIS_CPU = Hardware(
     h2d_bw=5e9,
     alloc_round=1,
     host_adamw_bw=4.5e9,  # torch's for-loop AdamW, 2 threads (2026-12-02, 3.7-5.3e9)
+    comm_overlaps=False,
     device="cpu",
     source="calibrate('cpu') on the 2-core development machine, 2 gloo ranks of 1 thread "
     "running it at once (2026-12-02); gloo bandwidth and latency assumed",

@@ -103,14 +103,19 @@ def simulate(
     hsdp: int = 1,
     input_fn: InputFn = token_batch,
     loss_fn: LossFn = lm_loss,
+    record_calls: bool = False,
 ) -> Simulation:
-    """Three training steps of ``build()``'s model under ``policy`` at ``world`` ranks."""
+    """Three training steps of ``build()``'s model under ``policy`` at ``world`` ranks.
+
+    ``record_calls``: keep each operator's call on its event, to be timed
+    (op_costs.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_world(world, hsdp)
     policy.check()
     tracker = Tracker(hw.alloc_round)
     tracker.gloo_staging = hw.device == "cpu"
+    tracker.record_calls = record_calls
     whole: dict[str, int] = {}
     moved: dict[str, int] = {}
     offload = policy.offload

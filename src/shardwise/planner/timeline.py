@@ -61,6 +61,8 @@ def op_seconds(e: Event, hw: Hardware, host_per_byte: float = 0.0, copies: bool 
     if e.host:
         per_byte = host_per_byte or 1.0 / hw.host_mem_bw
         return e.nbytes * per_byte + hw.op_overhead + extra
+    if e.seconds is not None:  # measured on this device (op_costs.py): dispatch included
+        return max(e.seconds, copy) + extra
     rate = hw.matmul_flops if e.low_precision else hw.matmul_flops_fp32
     kernel = max(e.flops / rate if e.matmul else 0.0, e.nbytes / hw.mem_bw)
     return max(kernel, copy) + hw.op_overhead + extra
@@ -107,6 +109,13 @@ def replay(
             by_module[key] = by_module.get(key, 0.0) + dt
         elif e.kind == "issue":
             dt = comm_seconds(e, hw, world, offload)
+            if not hw.comm_overlaps:  # the collective takes the cores compute runs on
+                clock += dt
+                exposed += dt
+                all_ends[e.key] = clock
+                comm_total += dt
+                times.append(clock)
+                continue
             start = max(clock, comm_free)
             comm_free = start + dt
             ends[e.key] = all_ends[e.key] = comm_free

@@ -33,6 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from .op_costs import call_spec
+
 GATHERED, COMM, ACTIVATION, TEMPORARY = "gathered_params", "comm_buffers", "activations", "temps"
 
 
@@ -56,6 +58,8 @@ class Event:
     dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
     staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
     transfer: int = 0  # op: bytes crossing between host and device (offload's copies)
+    call: Any = field(default=None, repr=False)  # op: op_costs.Call, when calls are recorded
+    seconds: float | None = None  # op: measured on this machine's device (op_costs)
 
 
 def _sdpa_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
@@ -105,6 +109,7 @@ class Tracker(TorchDispatchMode):
         self.gloo_staging = False
         self.unbound: list[int] = []
         self.staging_now = 0  # at a snapshot: staging buffers live then
+        self.record_calls = False  # keep each operator's call, to be timed (op_costs.py)
 
     def take_staging(self) -> int:
         """Bytes of gloo staging of the collective just issued."""
@@ -260,6 +265,9 @@ class Tracker(TorchDispatchMode):
             self.mark_host(storages_of(flat_out))
         low = any(t.dtype in (torch.bfloat16, torch.float16) for t in flat_in)
         dt = any(hasattr(t, "_local_tensor") for t in leaves)
+        call = None
+        if self.record_calls and nbytes and not host:
+            call = call_spec(func, args, kwargs)
         self.record(
             kind="op",
             flops=flops,
@@ -269,6 +277,7 @@ class Tracker(TorchDispatchMode):
             host=host,
             dtensor=dt,
             transfer=transfer,
+            call=call,
         )
         return out
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .main import UsageError
+from .main import UsageError, usable_cpus
 
 HF_PREFIX = "hf:"
 SUITE_NAMES = ("h200", "h200-offload", "cpu", "scaling")  # plan_suite.SUITES
@@ -102,6 +102,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (h200: 8)")
     p.add_argument("--matmul-tflops", type=float, default=None, help="achieved matmul TFLOP/s")
+    p.add_argument(
+        "--compute",
+        choices=("rates", "measured"),
+        default="rates",
+        help="time each operator from its FLOPs and bytes at the rates (default), or run "
+        "each distinct operator on this machine's device (the target must be this device)",
+    )
     p.add_argument(
         "--rates",
         default=None,
@@ -296,9 +303,29 @@ def main(argv: list[str]) -> int:
         ranks_per_node=args.ranks_per_node,
         matmul_flops=args.matmul_tflops and args.matmul_tflops * 1e12,
     )
+    slowdown = 1.0
     if hw.device == "cpu" and args.measure:
         hw = _shared_cores(hw, args.world_size)
-    kw: dict[str, Any] = dict(batch_size=batch, seq_len=seq, hsdp=args.hsdp, hardware=hw)
+        slowdown = max(1.0, args.world_size / usable_cpus())
+    if args.compute == "measured":
+        import torch
+
+        from shardwise.planner.plan import check_measurable
+
+        try:
+            check_measurable(hw)
+        except ValueError as e:
+            raise UsageError(f"--compute measured: {e}") from None
+        if hw.device == "cpu" and args.measure:  # the threads each measured rank gets
+            torch.set_num_threads(max(1, usable_cpus() // args.world_size))
+    kw: dict[str, Any] = dict(
+        batch_size=batch,
+        seq_len=seq,
+        hsdp=args.hsdp,
+        hardware=hw,
+        compute=args.compute,
+        slowdown=slowdown,
+    )
     try:
         if args.budget is not None:
             best, tried = fastest_within(
@@ -335,8 +362,6 @@ def _shared_cores(hw: Any, ranks: int) -> Any:
     """The CPU's rates were calibrated with one rank per core (two on two): more
     ranks than cores share them, and each rank computes that much slower."""
     from dataclasses import replace
-
-    from .main import usable_cpus
 
     share = min(1.0, usable_cpus() / ranks)
     if share == 1.0:

@@ -108,6 +108,10 @@ def load_rates(path: str) -> Any:
             if not isinstance(value, str):
                 raise UsageError(f"--rates {path}: {name} must be a string, got {value!r}")
             continue
+        if name in FLAGS:
+            if not isinstance(value, bool):
+                raise UsageError(f"--rates {path}: {name} must be true or false, got {value!r}")
+            continue
         least = 0 if name in MAY_BE_ZERO else 1 if name in COUNTS else 1e-300
         if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
             need = ">= 0" if least == 0 else ">= 1" if least == 1 else "> 0"
@@ -119,6 +123,7 @@ def load_rates(path: str) -> Any:
 
 
 TEXT = ("name", "device", "source")
+FLAGS = ("comm_overlaps",)
 COUNTS = ("ranks_per_node", "alloc_round")
 # Fixed costs may be nothing; host_adamw_bw 0 means host_mem_bw. Every other rate divides.
 MAY_BE_ZERO = ("op_overhead", "view_overhead", "dtensor_overhead", "latency", "host_adamw_bw")
