@@ -20,7 +20,7 @@ from typing import Any
 from .main import UsageError, usable_cpus
 
 HF_PREFIX = "hf:"
-SUITE_NAMES = ("h200", "h200-offload", "cpu", "scaling")  # plan_suite.SUITES
+SUITE_NAMES = ("h200", "h200-offload", "h200-no-offload", "cpu", "scaling")  # plan_suite.SUITES
 
 
 def parse_raf(text: str) -> bool | int:
@@ -256,7 +256,8 @@ def main(argv: list[str]) -> int:
     if args.suite:
         from .plan_suite import run_suite
 
-        return run_suite(args.suite, args.json, ["--rates", args.rates] if args.rates else [])
+        extra = ["--rates", args.rates] if args.rates else []
+        return run_suite(args.suite, args.json, extra + ["--compute", args.compute])
     if args.calibrate or args.calibrate_out:
         from .plan_rates import calibrate_worker, is_calibrating_worker, run_calibration
 

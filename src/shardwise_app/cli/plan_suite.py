@@ -1,4 +1,4 @@
-"""``shardwise plan --suite h200|h200-offload|cpu|scaling --json FILE``: predicted vs measured over a set of configurations.
+"""``shardwise plan --suite NAME --json FILE`` (h200, h200-offload, h200-no-offload, cpu, scaling): predicted vs measured over a set of configurations.
 
 Why one command: the planner's error table in docs/scaling.md must be
 reproducible by one invocation. Each configuration is its own
@@ -58,17 +58,19 @@ SCALING_SUITE = [
 # Its offloaded rows only (host memory and the host's AdamW: what the planner's
 # offload model was fixed for after the 2026-12-02 measurement).
 H200_OFFLOAD_SUITE = [c for c in H200_SUITE if "--offload" in c]
+H200_DEVICE_SUITE = [c for c in H200_SUITE if "--offload" not in c]  # fits in 10 minutes
 
 SUITES = {
     "h200": H200_SUITE,
     "h200-offload": H200_OFFLOAD_SUITE,
+    "h200-no-offload": H200_DEVICE_SUITE,
     "cpu": CPU_SUITE,
     "scaling": SCALING_SUITE,
 }
 
 
 def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -> int:
-    """``extra``: flags every configuration gets (``--rates FILE``)."""
+    """``extra``: flags every configuration gets (``--rates FILE``, ``--compute``)."""
     rows: list[dict[str, Any]] = []
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
