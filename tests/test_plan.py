@@ -172,3 +172,68 @@ def test_offload_counts_the_states_as_host_memory_for_a_cuda_target() -> None:
     saved = one["optimizer_s"] - out["w1_off_fast"]["optimizer_s"]
     expect = one["n_params"] * 32 / (2 * out["rate"])
     assert abs(saved - expect) < 1e-6 * expect, (saved, expect)
+
+
+def test_offload_copies_count_what_a_gpu_run_holds() -> None:
+    """On a GPU a download holds the device tensor it reads until the next download
+    (or the end of backward: offload.py), and an upload makes a device copy of the
+    shard before its cast; on a CPU run both alias host tensors, so the tracker adds
+    them (and one transfer event per copy)."""
+    import torch
+
+    from shardwise import offload
+    from shardwise.planner.tracker import Tracker
+
+    tracker = Tracker()
+    with tracker, tracker.offload_copies():
+        tracker.events = []
+        shard = torch.zeros(256)  # 1 KiB, in host memory
+        tracker.mark_host([shard.untyped_storage()])
+        device = tracker.total
+        up = offload.upload(shard, shard.device)
+        assert up is not shard and tracker.total == device + 1024
+        del up  # cast into the gathered parameters, then dropped
+        assert tracker.total == device
+        a, b = torch.ones(128), torch.ones(128)  # two reduced shards on the device, 512 B each
+        device = tracker.total
+        host_a, _ = offload.download(a, torch.float32, False)
+        assert host_a.untyped_storage() is not a.untyped_storage()
+        del a
+        assert tracker.total == device  # still read by its copy to the host
+        host_b, _ = offload.download(b, torch.float32, False)
+        del b
+        assert tracker.total == device - 512  # released once the next copy was issued
+        offload.release_downloaded()  # the end of backward
+        assert tracker.total == device - 1024
+        assert tracker.host_total == 1024 + 2 * 512  # the shard and both CPU gradients
+        transfers = [e.transfer for e in tracker.events if e.transfer]
+    assert transfers == [1024, 512, 512]
+    assert offload.upload(shard, shard.device) is shard  # unpatched again
+
+
+def _offload_copies_plan() -> dict[str, Any]:
+    from shardwise.planner import H200, Policy, plan
+    from shardwise_app.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=512, n_layer=4, n_head=8, d_model=1024)
+    p = plan(
+        lambda: GPT(cfg),
+        1,
+        batch_size=2,
+        seq_len=cfg.seq_len,
+        policy=Policy(mp="bf16", ac="non-reentrant", offload=True),
+        hardware=H200,
+    )
+    block = sum(q.numel() for q in GPT(cfg).blocks[0].parameters()) * 4
+    return {"kinds": p.peak_by_kind, "phase": p.peak_phase, "block": -(-block // 512) * 512}
+
+
+def test_offloaded_peak_counts_the_held_gradient_and_the_upload_copy() -> None:
+    """One GPU, checkpointed blocks whose fp32 shards dominate: the peak is a prefetch's
+    upload in backward, with the previous block's reduced shard still held by its
+    download (one more is in flight, a plain buffer at one rank): two fp32 shards
+    of a block counted as communication buffers, one of each."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        out = pool.submit(_offload_copies_plan).result(timeout=200)
+    assert out["phase"] == "backward", out
+    assert out["kinds"].get("comm_buffers") == 2 * out["block"], out

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import offload
 from .trace import active as active_trace
 
 if TYPE_CHECKING:
@@ -346,10 +347,13 @@ class FSDPContext:
             self.pending_reduces[:0] = staying
 
     def wait_downloads(self) -> None:
-        """CPU offload: the optimizer may read the CPU gradients once this returns."""
+        """CPU offload: the optimizer may read the CPU gradients once this returns.
+        The device tensors the copies read go too (the last one would otherwise stay
+        until the next step's first download: offload.py)."""
         for event in self.downloads:
             event.synchronize()
         self.downloads.clear()
+        offload.release_downloaded()
 
     def wait_steps(self, raise_error: bool = True) -> None:
         """optimizer_in_backward: wait until every module stepped, then reshard the

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import collectives
-from .offload import upload
+# offload.upload through its module, as reduce.py calls offload.download: the
+# planner replaces both to count the device memory they hold (planner/tracker.py).
+from . import collectives, offload
 from .trace import label
 
 if TYPE_CHECKING:
@@ -38,8 +39,14 @@ class Gather:
     name = ""
 
     def __init__(self, g: ParamGroup) -> None:
-        # A cast to param_dtype, or an upload from host memory, comes first.
-        self.copy_in = g.flat.dtype != g.compute_dtype or g.flat.device != g.device
+        # A cast to param_dtype, or an upload from host memory, comes first (for an
+        # offloaded group also on a CPU run, where the devices match: the same
+        # path as on a GPU, so the planner's CPU simulation sees it).
+        self.copy_in = (
+            g.flat.dtype != g.compute_dtype
+            or g.flat.device != g.device
+            or g.settings.offload_policy is not None
+        )
         self.buffers: tuple[torch.Tensor, ...] = ()  # what the collective in flight uses
 
     def issue(self, g: ParamGroup) -> collectives.Pending | None:
@@ -82,7 +89,7 @@ class CastBeside(Gather):
     def issue(self, g: ParamGroup) -> collectives.Pending | None:
         g.allocate_unsharded()
         with collectives.side_stream("gather", g.device), label("gather"):
-            g.unsharded_flat.copy_(upload(g.flat, g.device))
+            g.unsharded_flat.copy_(offload.upload(g.flat, g.device))
             work = collectives.StreamWork(g.device)
         kind = "cast" if g.settings.offload_policy is None else "upload"
         return collectives.Pending(work, label=g.label, kind=kind)
@@ -100,8 +107,10 @@ class InPlace(Gather):
         with collectives.side_stream("gather", g.device if self.copy_in else None):
             with label("gather"):
                 if self.copy_in:  # cast (or uploaded) into this rank's slot of each output
-                    if g.flat.device != g.device:  # uploaded as it is, cast on the GPU
-                        shards = list(upload(g.flat, g.device).split(sizes))
+                    if g.settings.offload_policy is not None:
+                        # Uploaded as it is, cast on the GPU. (Called on a CPU run
+                        # too, where it returns the shard: the planner counts it.)
+                        shards = list(offload.upload(g.flat, g.device).split(sizes))
                     torch._foreach_copy_(slots, shards)
                 return collectives.all_gather_each(
                     outs, slots if self.copy_in else shards, g.shard_group, g.label
@@ -134,7 +143,7 @@ class RankMajor(Gather):
                 if self.copy_in:
                     # Uploaded as it is, cast on the GPU (a cross-device copy that
                     # also casts would cast on the CPU first).
-                    src.copy_(upload(g.flat, g.device))
+                    src.copy_(offload.upload(g.flat, g.device))
                 pending = collectives.all_gather(
                     out, src, g.shard_group, g.label, g.settings.custom_all_gather
                 )

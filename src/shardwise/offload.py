@@ -14,6 +14,23 @@ then uploads and gathers while the previous module computes. Downloads run
 on another stream and are waited for once, by the CPU, at the end of
 backward: the optimizer must not read a gradient still in flight, but
 nothing before it needs to.
+
+Why a download holds its device tensor until the next one: the reduced shard
+it reads must not be reused before the copy has read it. ``record_stream``
+would say so to the allocator, which then keeps the memory out of reuse for
+as long as the copy lags the compute, unseen by ``memory_allocated`` and
+growing with the lag (each new reduction then takes fresh memory). Instead
+the device tensor stays referenced here, one per device, until the next
+download is issued (or the host has waited for the downloads: the end of
+backward, an accumulation); then the stream its memory came from waits on
+the copy's event, on the GPU, and the reference goes. The free is ordered
+after the copy on the one stream that can reuse the block, and it happens at
+a point of the host's program, not of the GPU's progress: the device memory
+of the downloads in flight is one reduced shard, counted by the allocator
+like any tensor, whatever the copies' speed. The compute stream waits only
+for a copy issued one module earlier, so the copies still run beside the
+compute; at worst (copies slower than the backward) compute is paced to
+them, which the end of backward, waiting for every copy, would be anyway.
 """
 
 from __future__ import annotations
@@ -83,21 +100,58 @@ def upload(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
         return flat.to(device, non_blocking=True)
 
 
+@dataclass
+class _Read:
+    """A device tensor a download reads, kept until the stream its memory came from
+    (``owner``) is told to wait for the copy (``done``)."""
+
+    tensor: torch.Tensor
+    done: torch.cuda.Event
+    owner: torch.cuda.Stream
+
+
+_reading: dict[int, _Read] = {}
+
+
 def download(
-    t: torch.Tensor, dtype: torch.dtype, pin: bool
+    t: torch.Tensor, dtype: torch.dtype, pin: bool, owner: torch.cuda.Stream | None = None
 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Copy ``t`` to a new CPU tensor of ``dtype``, asynchronously.
 
     Returns the CPU tensor and the event to synchronize before reading it
-    (None: already there).
+    (None: already there). ``owner``: the stream ``t``'s memory was allocated
+    on (default: the current one); ``t`` is held until the next download or
+    ``release_downloaded`` (the module docstring says why), then freed in
+    ``owner``'s order after the copy.
     """
     if t.device.type != "cuda":
         return t.to(dtype), None
+    device = torch.cuda.current_device()
     stream = _download_stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
     with torch.cuda.stream(stream), label("offload"):
+        # A cast's output is allocated, read and freed on this stream: ordered.
         src = t.to(dtype)
         host = torch.empty(t.shape, dtype=dtype, pin_memory=pin)
         host.copy_(src, non_blocking=pin)
-    t.record_stream(stream)  # freed by its owner, still read here
-    return host, stream.record_event()
+    done = stream.record_event()
+    _release(device)  # the previous copy was queued before this one
+    _reading[device] = _Read(t, done, current if owner is None else owner)
+    return host, done
+
+
+def release_downloaded() -> None:
+    """Let go of the device tensors the downloads read: once the host has waited for
+    them (the end of backward, an accumulation, a backward that raised), nothing
+    later would release them before the next step's first download."""
+    for device in list(_reading):
+        _release(device)
+
+
+def _release(device: int) -> None:
+    read = _reading.pop(device, None)
+    if read is not None:
+        # Stream-ordered: a block reused on ``owner`` is written only after the copy.
+        # (After a host synchronize the event is complete and the wait costs nothing.)
+        read.owner.wait_event(read.done)

@@ -68,6 +68,7 @@ class ReduceJob:
         self.used = used
         self.steps = g.step_in_backward is not None and last_backward
         self._downloaded: Any = None  # offload: the event of the copy to the host
+        self._owner: torch.cuda.Stream | None = None  # offload: where ``out`` was allocated
         hsdp = g.replicate_group is not None
         plain = g.settings.divide_factor is None and g.settings.all_reduce_hook is None
         device = g.device
@@ -95,6 +96,10 @@ class ReduceJob:
                 filled = [t.to(g.reduce_dtype) for t in filled]
             numel = sum(sp.slot for sp in self.members)
             self.out = g.comm_buffer(numel, g.orig_dtype if alone else g.reduce_dtype)
+            if g.settings.offload_policy is not None and device.type == "cuda":
+                # The stream whose pool ``out`` came from: its free is ordered there,
+                # after the download (offload.download).
+                self._owner = torch.cuda.current_stream(device)
             # The copy-in overlaps the backward compute queued next. The gradients
             # it reads may be freed as soon as it has run, not when the reduction
             # is waited for: record_stream tells the allocator so.
@@ -179,13 +184,15 @@ class ReduceJob:
         """The reduced shards, copied to host memory (offload): the CPU gradients."""
         g = self.group
         assert g.settings.offload_policy is not None and self._downloads is not None
-        host, done = offload.download(out, g.orig_dtype, g.settings.offload_policy.pin_memory)
-        if done is not None:
-            if any(sp.sharded.grad is not None for sp in self.members):
+        pin = g.settings.offload_policy.pin_memory
+        host, done = offload.download(out, g.orig_dtype, pin, self._owner)
+        if any(sp.sharded.grad is not None for sp in self.members):
+            if done is not None:
                 done.synchronize()  # added to CPU gradients now: they must have arrived
-            else:
-                self._downloads.append(done)  # waited for at the end of backward
-                self._downloaded = done
+            offload.release_downloaded()  # arrived: its device copy can go at once
+        elif done is not None:
+            self._downloads.append(done)  # waited for at the end of backward
+            self._downloaded = done
         return host
 
     def _all_reduce(self, out: torch.Tensor) -> collectives.Pending | None:

@@ -130,7 +130,7 @@ def simulate(
             fake,
             tracker,
             tracker.watching_resize(),
-            tracker.downloads_to_host(),
+            tracker.offload_copies(),
             saving_as_activations(tracker),
         ):
             torch.manual_seed(0)

@@ -17,7 +17,9 @@ optimizer state are recognised when the caller takes a ``snapshot``.
 With offload every storage is a CPU tensor here, host or not, so host memory
 is classified: what the caller marks (the shards), what ``offload.download``
 returns (the gradients) and what an operator makes from host storages only
-(the optimizer's moments and temporaries). Only the rest is device memory.
+(the optimizer's moments and temporaries). Only the rest is device memory,
+and to it ``offload_copies`` adds what a GPU run's copies hold on the device
+that a CPU run's do not (the tensor a download reads, an upload's copy).
 """
 
 from __future__ import annotations
@@ -176,27 +178,69 @@ class Tracker(TorchDispatchMode):
             entry.tag = tag
 
     @contextmanager
-    def downloads_to_host(self) -> Iterator[None]:
-        """Offload: what ``offload.download`` returns is host memory from the moment it
-        exists (a CPU run makes it with ``.to``, often the device buffer itself, which
-        the real download frees once copied)."""
+    def offload_copies(self) -> Iterator[None]:
+        """Offload's copies, counted as a GPU run holds them (every storage is a CPU
+        tensor here, so a CPU run's copies alias what a GPU run copies):
+
+        - what ``offload.download`` returns is host memory from the moment it exists,
+          in a storage of its own (a CPU run's ``.to`` returns the device buffer
+          itself); the device tensor it read stays device memory until the next
+          download or ``offload.release_downloaded``, as the real download holds it;
+        - ``offload.upload`` makes a device copy of the shard in the shard's dtype
+          (a CPU run returns the shard), live until its caller has cast it into
+          the gathered parameters (one block's fp32 shard under bf16).
+
+        Each copy is one event carrying the bytes that cross (``transfer``).
+        """
         from .. import offload
 
-        original = offload.download
+        download0, release0, upload0 = offload.download, offload.release_downloaded, offload.upload
         tracker = self
+        reading: list[torch.Tensor] = []  # the device tensor the last download read
 
-        def download(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> Any:
-            host, done = original(t, dtype, pin)
+        def download(t: torch.Tensor, dtype: torch.dtype, pin: bool, owner: Any = None) -> Any:
+            host, done = download0(t, dtype, pin, owner)
+            if host.untyped_storage() is t.untyped_storage():
+                host = tracker._quietly(lambda: torch.empty(t.shape, dtype=dtype))
             tracker.track(host)
             tracker.mark_host([host.untyped_storage()])
+            tracker.tag(t, COMM)
+            reading[:] = [t]  # the previous one goes once this one is issued
             tracker.record(kind="op", transfer=host.numel() * host.element_size())
             return host, done
 
+        def release_downloaded() -> None:
+            release0()
+            reading.clear()
+
+        def upload(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
+            out = upload0(flat, device)
+            if out is not flat or id(flat.untyped_storage()) not in tracker.host_storages:
+                return out
+            # Fake tensors: the copy's values do not matter, its storage does.
+            copy = tracker._quietly(lambda: torch.empty(flat.shape, dtype=flat.dtype))
+            tracker.tag(copy, COMM)
+            tracker.record(kind="op", transfer=flat.numel() * flat.element_size())
+            return copy
+
         offload.download = download  # type: ignore[assignment]
+        offload.release_downloaded = release_downloaded  # type: ignore[assignment]
+        offload.upload = upload  # type: ignore[assignment]
         try:
             yield
         finally:
-            offload.download = original
+            offload.download = download0  # type: ignore[assignment]
+            offload.release_downloaded = release0  # type: ignore[assignment]
+            offload.upload = upload0  # type: ignore[assignment]
+            reading.clear()
+
+    def _quietly(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A tensor made without an event of its own (the copy that makes it is one)."""
+        events, self.events = self.events, None
+        try:
+            return make()
+        finally:
+            self.events = events
 
     @contextmanager
     def watching_resize(self) -> Iterator[None]:
