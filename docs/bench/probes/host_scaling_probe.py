@@ -11,13 +11,25 @@ What is timed: a training step (forward, backward, SGD step, zero_grad) of a
 stack of small blocks on CPU tensors, so host time is most of it. Every
 parameter's dim 0 is 1024 (it splits evenly over every world size here), so
 the gathered parameters, the compute and the bytes are the same at every size.
-The fake group's collectives are not free: in torch 2.13 each all-gather copies
-its input into every rank's chunk of the output (one ``copy_`` per rank, in
-C++: the backend's cost, which a real NCCL does not have on the host). The
-time inside ``dist.all_gather_single`` / ``reduce_scatter_single`` /
+The fake group's collectives are not free: in torch 2.13 each all-gather splits
+its output into one chunk per rank and copies its input into each (a
+reduce-scatter splits its input so, and copies one chunk), in C++: per rank,
+per gathered tensor, per call. No real backend has that loop on the host
+(NCCL runs a grouped gather as one launch; gloo's work runs on its threads).
+The time inside ``dist.all_gather_single`` / ``reduce_scatter_single`` /
 ``all_reduce`` (torch's c10d wrapper and the backend) is therefore measured
 and reported apart; "host" is the step less that. "over bare" is host less
 the same model's step unsharded, per module: what the runtime adds.
+
+Three modes say what the collectives do. "skip": nothing (a finished work
+handle back): the runtime's own host time. "copy": each all-gather writes its
+output and each reduce-scatter its output, one copy each, as many bytes as a
+real collective lands in this process, without the per-rank loop. "fake": the
+fake backend's own collectives; the table also counts the chunks its loops
+make per step (one per rank per tensor per call). The loop costs more than
+its own time: the work after a 1024-rank fake all-gather runs as slowly as
+after a flush of the caches (``fake_backend_probe.py``), so "host" in
+this mode carries some of the backend's cost too.
 
 Each (implementation, world) runs in a process of its own (one process group
 per process), interleaved: every round runs every world size and
@@ -30,9 +42,13 @@ storage) and Python objects (gc) that ``fully_shard`` and two training steps
 leave alive, per parameter; and the tensor objects among them.
 
 Usage: python docs/bench/probes/host_scaling_probe.py [--rounds 5] [--steps 40]
-  [--worlds 2,8,64,512,1024] [--json OUT] [--profile]
+  [--worlds 2,8,64,512,1024] [--modes skip,copy,fake] [--json OUT] [--profile]
+  [--torch-profile]
 (``PYTHONPATH=src``; ``--profile`` prints shardwise's cProfile top entries at
-the smallest and largest world size instead of timing.)
+the smallest and largest world size instead of timing, collectives skipped;
+``--torch-profile`` counts the aten and c10d operators per step of shardwise
+and FSDP2 at those sizes, in the first of ``--modes``, and lists those whose
+count grows with the world.)
 """
 
 from __future__ import annotations
@@ -71,10 +87,11 @@ def build():
 
 
 _in_collectives = [0.0]
+_chunks = [0]  # the fake backend's per-rank chunks, this step
 
 
 class _Done:
-    """A finished collective's work handle (``--skip-collectives``)."""
+    """A finished collective's work handle ("skip" and "copy")."""
 
     def wait(self, *args) -> bool:
         return True
@@ -83,13 +100,41 @@ class _Done:
         return True
 
 
-def _timed(fn, skip: bool):
+def _operands(args: tuple, kwargs: dict):
+    """(output, input) of an all-gather or reduce-scatter (FSDP2 names them)."""
+    out = args[0] if args else kwargs.get("output_tensor", kwargs.get("output"))
+    inp = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+    return out, inp
+
+
+def _one_copy(name: str, args: tuple, kwargs: dict) -> None:
+    """What the collective lands here, in one copy: the gathered output (this
+    rank's shard in every rank's place), or this rank's chunk of the sum."""
+    import torch
+
+    if name == "all_reduce":
+        return  # in place: the fake backend writes nothing either
+    out, inp = _operands(args, kwargs)
+    with torch.no_grad():
+        if name == "all_gather_single":
+            n = out.numel() // inp.numel()
+            out.view(n, -1).copy_(inp.reshape(1, -1).expand(n, -1))
+        else:
+            out.view(-1).copy_(inp.view(-1)[: out.numel()])
+
+
+def _timed(fn, name: str, mode: str):
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
-            if skip:
-                return _Done() if kwargs.get("async_op") else None
-            return fn(*args, **kwargs)
+            if mode == "fake":
+                if name != "all_reduce":
+                    out, inp = _operands(args, kwargs)
+                    _chunks[0] += max(out.numel(), inp.numel()) // min(out.numel(), inp.numel())
+                return fn(*args, **kwargs)
+            if mode == "copy":
+                _one_copy(name, args, kwargs)
+            return _Done() if kwargs.get("async_op") else None
         finally:
             _in_collectives[0] += time.perf_counter() - start
 
@@ -103,8 +148,23 @@ def _tensors() -> int:
     return sum(issubclass(type(o), torch.Tensor) for o in gc.get_objects())
 
 
-def one(impl: str, world: int, steps: int, profile: bool, skip: bool = False) -> dict:
-    """One run in this process: ``impl`` ("shardwise", "fsdp2", "bare") at ``world`` ranks."""
+def _op_counts(step, steps: int) -> dict:
+    """aten/c10d operators per step (torch.profiler): count and self time, us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return {
+        e.key: (e.count / steps, e.self_cpu_time_total / steps)
+        for e in prof.key_averages()
+        if e.key.startswith(("aten::", "c10d::"))
+    }
+
+
+def one(impl: str, world: int, steps: int, profile: str, mode: str = "fake") -> dict:
+    """One run in this process: ``impl`` ("shardwise", "fsdp2", "bare") at ``world``
+    ranks; ``profile``: "" (timed), "cprofile" or "torch"."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -112,13 +172,14 @@ def one(impl: str, world: int, steps: int, profile: bool, skip: bool = False) ->
     # Before shardwise is imported: collectives.py binds these at import; FSDP2
     # looks them up at each call.
     for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
-        setattr(dist, name, _timed(getattr(dist, name), skip))
+        setattr(dist, name, _timed(getattr(dist, name), name, mode))
     torch.set_num_threads(1)
     # Skipped gathers leave their outputs as allocated: no slow denormals in them.
     torch.set_flush_denormal(True)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    import shardwise
     from torch.distributed.fsdp import fully_shard
+
+    import shardwise
 
     x = torch.randn(BATCH, WIDTH)
     warm = build()  # torch's own first-step work, outside what is counted
@@ -155,6 +216,8 @@ def one(impl: str, world: int, steps: int, profile: bool, skip: bool = False) ->
     tensors = _tensors() - before_tensors
     for _ in range(3):
         step()
+    if profile == "torch":
+        return {"ops": _op_counts(step, steps)}
     if profile:
         import cProfile
         import io
@@ -173,6 +236,7 @@ def one(impl: str, world: int, steps: int, profile: bool, skip: bool = False) ->
     times, coll = [], []
     for _ in range(steps):
         _in_collectives[0] = 0.0
+        _chunks[0] = 0
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -182,6 +246,7 @@ def one(impl: str, world: int, steps: int, profile: bool, skip: bool = False) ->
     return {
         "step_ms": statistics.median(times) * 1e3,
         "coll_ms": statistics.median(coll) * 1e3,
+        "backend_chunks": _chunks[0],  # the last step's (the same every step)
         "host_ms": statistics.median(host) * 1e3,
         "py_bytes_per_param": held_bytes / nparams,
         "py_bytes_per_param_sharded": sharded_bytes / nparams,
@@ -190,9 +255,9 @@ def one(impl: str, world: int, steps: int, profile: bool, skip: bool = False) ->
     }
 
 
-def child(impl: str, world: int, steps: int, profile: bool = False, skip: bool = False) -> dict:
+def child(impl: str, world: int, steps: int, profile: str = "", mode: str = "fake") -> dict:
     cmd = [sys.executable, __file__, "--one", impl, str(world), "--steps", str(steps)]
-    cmd += ["--profile"] * profile + ["--skip-collectives"] * skip
+    cmd += ["--mode", mode] + (["--profile-as", profile] if profile else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -203,6 +268,7 @@ def spread(xs: list[float]) -> float:
 
 MODES = {
     "skip": "collectives skipped (the runtime's own host time)",
+    "copy": "each collective one copy of the bytes it lands here (host = step less the copies)",
     "fake": "the fake backend's collectives run (host = step less the time inside them)",
 }
 
@@ -212,7 +278,8 @@ def table(runs: dict, mode: str, worlds: list[int], bare_med: float) -> list[dic
     print(f"\n{MODES[mode]}:\n")
     head = (
         "| world | impl | host us/module/step min | median | spread | over bare (median) "
-        "| in collectives ms/step | whole step ms | Python bytes/param: sharded, +2 steps "
+        "| in collectives ms/step | whole step ms | fake backend's chunks/step "
+        "| Python bytes/param: sharded, +2 steps "
         "| objects/param | tensors/param |"
     )
     print(head)
@@ -232,6 +299,7 @@ def table(runs: dict, mode: str, worlds: list[int], bare_med: float) -> list[dic
                 "over_bare_us_median": statistics.median(host) - bare_med,
                 "coll_ms_median": statistics.median(x["coll_ms"] for x in rs),
                 "step_ms_median": statistics.median(x["step_ms"] for x in rs),
+                "backend_chunks": rs[0]["backend_chunks"],
                 **{k: v for k, v in rs[0].items() if "per_param" in k},
             }
             rows.append(x)
@@ -239,6 +307,7 @@ def table(runs: dict, mode: str, worlds: list[int], bare_med: float) -> list[dic
                 f"| {w} | {impl} | {x['host_us_min']:.0f} | {x['host_us_median']:.0f} "
                 f"| {x['host_spread']:.0%} | {x['over_bare_us_median']:.0f} "
                 f"| {x['coll_ms_median']:.1f} | {x['step_ms_median']:.1f} "
+                f"| {x['backend_chunks']} "
                 f"| {x['py_bytes_per_param_sharded']:.0f}, {x['py_bytes_per_param']:.0f} "
                 f"| {x['py_objects_per_param']:.1f} | {x['tensors_per_param']:.1f} |"
             )
@@ -254,26 +323,51 @@ def table(runs: dict, mode: str, worlds: list[int], bare_med: float) -> list[dic
     return rows
 
 
+def torch_profile(worlds: list[int], mode: str, steps: int = 3) -> None:
+    """Which aten/c10d operators run more often per step at the largest world than at
+    the smallest, for each implementation: a per-rank loop shows up here."""
+    lo, hi = worlds[0], worlds[-1]
+    for impl in ("shardwise", "fsdp2"):
+        a, b = (child(impl, w, steps, profile="torch", mode=mode)["ops"] for w in (lo, hi))
+        print(f"== {impl}, collectives {mode!r}: operators per step, world {lo} -> {hi}")
+        print(f"| operator | calls/step at {lo} | at {hi} | self ms/step at {lo} | at {hi} |")
+        print("|---|---|---|---|---|")
+        for op in sorted(b, key=lambda k: -b[k][1]):
+            n_lo, t_lo = a.get(op, (0, 0.0))
+            n_hi, t_hi = b[op]
+            if n_hi > n_lo or t_hi > 1e3:  # grows with the world, or a millisecond a step
+                print(f"| {op} | {n_lo:.0f} | {n_hi:.0f} | {t_lo / 1e3:.2f} | {t_hi / 1e3:.2f} |")
+        print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--worlds", default="2,8,64,512,1024")
-    ap.add_argument("--modes", default="skip,fake")
+    ap.add_argument("--modes", default="skip,copy,fake")
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--torch-profile", action="store_true")
     ap.add_argument("--one", nargs=2)
-    ap.add_argument("--skip-collectives", dest="skip", action="store_true")
+    ap.add_argument("--mode", default="fake", choices=sorted(MODES))
+    ap.add_argument("--profile-as", default="", choices=["", "cprofile", "torch"])
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], int(args.one[1]), args.steps, args.profile, args.skip)))
+        print(
+            json.dumps(one(args.one[0], int(args.one[1]), args.steps, args.profile_as, args.mode))
+        )
         return
     worlds = [int(w) for w in args.worlds.split(",")]
     if args.profile:
         for w in (worlds[0], worlds[-1]):
-            r = child("shardwise", w, 5, profile=True, skip=True)
-            print(f"== shardwise, world {w}, collectives skipped: {r['calls_per_step']} calls/step")
-            print(r["profile"])
+            prof = child("shardwise", w, 5, profile="cprofile", mode="skip")
+            calls = prof["calls_per_step"]
+            print(f"== shardwise, world {w}, collectives skipped: {calls} calls/step")
+            print(prof["profile"])
+        return
+    if args.torch_profile:
+        torch_profile(worlds, args.modes.split(",")[0])
         return
     modes = args.modes.split(",")
     cells = [(m, i, w) for w in worlds for m in modes for i in ("shardwise", "fsdp2")]
@@ -282,7 +376,7 @@ def main() -> None:
     for r in range(args.rounds):
         k = r * 3 % len(cells)  # a rotated order each round
         for mode, impl, w in cells[k:] + cells[:k]:
-            runs[(mode, impl, w)].append(child(impl, w, args.steps, skip=mode == "skip"))
+            runs[(mode, impl, w)].append(child(impl, w, args.steps, mode=mode))
             done = runs[(mode, impl, w)][-1]["host_ms"]
             print(f"round {r} {mode} {impl} {w}: {done:.2f} ms", file=sys.stderr)
     bare = [x["host_ms"] / BLOCKS * 1e3 for x in runs[("skip", "bare", worlds[0])]]
