@@ -27,6 +27,7 @@ if __name__ == "__main__":
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--ac", default="non-reentrant")
+    ap.add_argument("--no-history", action="store_true", help="the peak only: recording slows the host")
     a = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29561")
     dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
@@ -49,6 +50,10 @@ if __name__ == "__main__":
     step()
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
+    if a.no_history:
+        step(); torch.cuda.synchronize()
+        print(f"peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB (no history)")
+        raise SystemExit(0)
     torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     step()
     torch.cuda.synchronize()
