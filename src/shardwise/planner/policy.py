@@ -87,55 +87,58 @@ class Hardware:
         return asdict(self)
 
 
-# An H200 SXM: datasheet peaks (989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, NVLink 4
-# 450 GB/s a direction; 400 Gb/s InfiniBand = 50 GB/s a GPU), derated to what
-# large kernels and NCCL ring collectives typically reach (about 70%, 83%, 80%, 80%).
-# Replace them with this machine's own figures (--calibrate on the H200).
+# One H200 SXM (torch 2.11), measured by calibrate("cuda") on 2026-12-02
+# (docs/bench/h200_rates_20261202.json): a bf16 linear layer's forward and
+# backward at (8192, 2048 -> 8192) 742 TFLOP/s, fp32 50.6, an add 4.30 TB/s, one
+# tiny operator 8.0 us, the host's AdamW 32.6 GB/s and its pinned copies 49 GB/s.
+# Communication is not measured there (one GPU): NVLink 4's 450 GB/s a direction
+# and 400 Gb/s InfiniBand (50 GB/s a GPU) derated to 80%, what NCCL rings
+# typically reach. Override them with a measured all-gather (--calibrate on a
+# node of several GPUs, then --rates FILE; or --intra-bw / --inter-bw).
 H200 = Hardware(
     name="h200",
-    matmul_flops=700e12,
-    matmul_flops_fp32=50e12,
-    mem_bw=4.0e12,
-    op_overhead=5e-6,
-    view_overhead=0.0,
+    matmul_flops=742e12,
+    matmul_flops_fp32=50.6e12,
+    mem_bw=4.30e12,
+    op_overhead=8.0e-6,
+    view_overhead=1.0e-6,
     dtensor_overhead=0.0,  # hidden behind the GPU's work
     intra_bw=360e9,
     inter_bw=40e9,
     latency=15e-6,
     ranks_per_node=8,
-    host_mem_bw=100e9,
-    h2d_bw=45e9,
+    host_mem_bw=26.8e9,
+    h2d_bw=49.2e9,
     alloc_round=512,
-    # Not measured apart: what the H200 host's offloaded rows of 2026-12-02 leave
-    # for AdamW once the device step and the copies are taken off (0.94B and 6.45B
-    # GPT both about 0.75e9 parameters/s); the 2-core development machine
-    # measures 3.7-5.3e9 B/s on 2 threads. calibrate("cuda") measures the host's own.
-    host_adamw_bw=24e9,
-    source="H200 datasheet peaks, derated (not measured); host AdamW from the offload rows",
+    host_adamw_bw=32.6e9,
+    source="calibrate('cuda') on one H200, 2026-12-02; NVLink and InfiniBand from the "
+    "datasheets, derated (not measured)",
 )
 
 # The 2-core development machine the CPU rows of docs/scaling.md were measured
-# on, per gloo rank with one thread each (calibrate.py).
+# on: calibrate("cpu") by 2 gloo ranks of 1 thread at once on a quiet machine
+# (2026-12-02, docs/bench/cpu_rates_20261202.json). bf16 products are slow here
+# (no native bf16): 2.1 GFLOP/s against 33 in fp32.
 THIS_CPU = Hardware(
     name="cpu",
-    matmul_flops=32.5e9,
-    matmul_flops_fp32=32.5e9,
-    mem_bw=1.31e9,
-    op_overhead=6.6e-6,
-    view_overhead=1.8e-6,
-    dtensor_overhead=95e-6,
-    intra_bw=2e9,
-    inter_bw=2e9,
-    latency=60e-6,
+    matmul_flops=2.15e9,
+    matmul_flops_fp32=33.0e9,
+    mem_bw=5.16e9,
+    op_overhead=3.2e-6,
+    view_overhead=2.5e-6,
+    dtensor_overhead=98e-6,
+    intra_bw=0.59e9,
+    inter_bw=0.59e9,
+    latency=324e-6,
     ranks_per_node=64,
-    host_mem_bw=1.31e9,
+    host_mem_bw=5.16e9,
     h2d_bw=5e9,
     alloc_round=1,
-    host_adamw_bw=4.5e9,  # torch's for-loop AdamW, 2 threads (2026-12-02, 3.7-5.3e9)
+    host_adamw_bw=4.4e9,
     comm_overlaps=False,
     device="cpu",
     source="calibrate('cpu') on the 2-core development machine, 2 gloo ranks of 1 thread "
-    "running it at once (2026-12-02); gloo bandwidth and latency assumed",
+    "at once (2026-12-02)",
 )
 
 HARDWARE = {"h200": H200, "cpu": THIS_CPU}
