@@ -326,25 +326,34 @@ def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy | None:
 def _owned_params(
     modules: list[nn.Module], ignored: set[int]
 ) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
-    """Parameters of ``modules`` outside sharded descendants, with every place each is registered."""
+    """Parameters of ``modules`` outside sharded descendants, with every place each is registered.
+
+    A loop over an explicit stack, not a recursive inner function: such a
+    function refers to itself through its closure, a reference cycle that
+    would keep ``found`` (every original parameter, on the GPU the whole
+    unsharded module) alive after ``fully_shard`` until the garbage collector
+    happens to run, so the device memory of later steps would depend on when
+    that is (tests/test_no_cycles.py).
+    """
     found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     sharded: set[int] | None = None  # ids of live sharded DTensors, once a DTensor shows up
-
-    def taken(p: nn.Parameter) -> bool:
-        nonlocal sharded
-        if isinstance(p, DTensor):  # tensor parallel, or already sharded by us
-            if sharded is None:
-                sharded = {id(sp.sharded) for g in list(_groups) for sp in g.params}
-            if id(p) in sharded:
-                return True
-        return _is_taken(p)
-
-    def visit(m: nn.Module, prefix: str) -> None:
+    # Pre-order (a module's own parameters, then each child's in turn): the
+    # flat layout's order.
+    stack = [
+        (m, f"{i}." if len(modules) > 1 else "") for i, m in reversed(list(enumerate(modules)))
+    ]
+    while stack:
+        m, prefix = stack.pop()
         for name, p in m._parameters.items():
             if p is None or id(p) in ignored:
                 continue
             fqn = prefix + name
-            if taken(p):
+            taken = _is_taken(p)
+            if isinstance(p, DTensor):  # tensor parallel, or already sharded by us
+                if sharded is None:
+                    sharded = {id(sp.sharded) for g in list(_groups) for sp in g.params}
+                taken = taken or id(p) in sharded
+            if taken:
                 raise ValueError(
                     f"parameter {fqn!r} of {type(modules[0]).__name__} is already owned by another "
                     "fully_shard call (a weight tied across separately sharded modules?). Shard "
@@ -355,12 +364,12 @@ def _owned_params(
                 found[id(p)][2].append((m, name))
             else:
                 found[id(p)] = (fqn, p, [(m, name)])
-        for cname, child in m._modules.items():
-            if child is not None and not isinstance(child, FSDPModule):
-                visit(child, f"{prefix}{cname}.")
-
-    for i, m in enumerate(modules):
-        visit(m, f"{i}." if len(modules) > 1 else "")
+        children = [
+            (child, f"{prefix}{cname}.")
+            for cname, child in m._modules.items()
+            if child is not None and not isinstance(child, FSDPModule)
+        ]
+        stack.extend(reversed(children))
     return list(found.values())
 
 
