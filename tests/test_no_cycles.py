@@ -7,7 +7,7 @@ processes running the same program. On a GPU that was one or two of a
 6.45B GPT's blocks (their original parameters, kept by a recursive closure
 in ``fully_shard``) on top of some runs' peaks. Each worker shards and
 trains with the collector off and ``DEBUG_SAVEALL`` on, and after
-``fully_shard`` and after every step asks it what only it could free: no
+``fully_shard`` and after the steps asks it what only it could free: no
 tensor, no shardwise object, no function defined in shardwise. (torch
 leaves cycles of its own, e.g. DTensor's sharding propagation, which hold
 no tensor; they are not ours to assert on.)
@@ -57,7 +57,8 @@ def _uncollected(where: str) -> list[str]:
 
 def _train(ac: str, offload: bool, steps: int, after: Callable[[str], None]) -> None:
     """Shard a small GPT as the planner's measurement does, and train ``steps`` steps;
-    ``after(stage)`` once sharded and after each step."""
+    ``after(stage)`` once sharded and once trained (a cycle made in any step is
+    still there then: only the collector would free it)."""
     import torch
 
     from shardwise.api import default_mesh
@@ -71,11 +72,11 @@ def _train(ac: str, offload: bool, steps: int, after: Callable[[str], None]) -> 
     after(f"ac={ac} offload={offload} fully_shard")
     opt = make_optimizer(model, "cpu", offload)
     data = token_batch(model, 2, 16)
-    for i in range(steps):
+    for _ in range(steps):
         lm_loss(model, data).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        after(f"ac={ac} offload={offload} step {i}")
+    after(f"ac={ac} offload={offload} {steps} steps")
 
 
 def no_cycles_worker(rank: int, world: int) -> tuple[list[str], int]:
@@ -93,7 +94,7 @@ def no_cycles_worker(rank: int, world: int) -> tuple[list[str], int]:
 
     try:
         for ac, offload in CONFIGS:
-            _train(ac, bool(offload), 3, check)
+            _train(ac, bool(offload), 2, check)
             # The model just dropped is the collector's: a module and the state
             # its hooks are bound to refer to each other (as under FSDP2).
             gc.set_debug(0)
@@ -109,5 +110,5 @@ def no_cycles_worker(rank: int, world: int) -> tuple[list[str], int]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_nothing_waits_for_the_garbage_collector(world: int) -> None:
     for found, checks in run_distributed(no_cycles_worker, world, timeout=200):
-        assert checks == 4 * len(CONFIGS)
+        assert checks == 2 * len(CONFIGS)
         assert found == [], found
