@@ -112,9 +112,10 @@ def calibrate(device: str = "cpu", repeats: int = 5) -> Hardware:
     from .. import collectives
 
     if collectives.initialized() and collectives.world_size() > 1:
-        rates.update(_collective_rates(dev, repeats, sync))
+        mesh = collectives.device_mesh(dev.type, (collectives.world_size(),))
+        rates.update(_collective_rates(mesh, dev, repeats, sync))
         if not cuda:
-            rates["dtensor_overhead"] = _dtensor_overhead(dev, tiny, op, repeats, sync)
+            rates["dtensor_overhead"] = _dtensor_overhead(mesh, tiny, op, repeats, sync)
     return replace(
         base,
         matmul_flops=bf16,
@@ -129,20 +130,20 @@ def calibrate(device: str = "cpu", repeats: int = 5) -> Hardware:
 
 
 def _collective_rates(
-    dev: torch.device, repeats: int, sync: Callable[[], None]
+    mesh: Any, dev: torch.device, repeats: int, sync: Callable[[], None]
 ) -> dict[str, float]:
     """The world's all-gather: ``latency`` (a few bytes) and bus bandwidth (16 MiB a
     rank's output), as the timeline charges them: ``latency + bytes per rank / bw``,
     bytes per rank (n-1)/n of the output. The world is one node here: ``intra_bw``."""
-    import torch.distributed as dist
+    from .. import collectives
 
-    n = dist.get_world_size()
-    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    group = mesh.get_group()
+    n = collectives.world_size(group)
 
     def gather(numel: int) -> Callable[[], object]:
         inp = torch.ones(numel // n, device=dev)
         out = torch.empty(numel // n * n, device=dev)
-        return lambda: gather_into(out, inp)
+        return lambda: collectives.all_gather(out, inp, group, "calibrate").wait()
 
     latency = _best(gather(8 * n), repeats, sync)
     numel = 1 << 22
@@ -152,13 +153,10 @@ def _collective_rates(
 
 
 def _dtensor_overhead(
-    dev: torch.device, tiny: torch.Tensor, op: float, repeats: int, sync: Callable[[], None]
+    mesh: Any, tiny: torch.Tensor, op: float, repeats: int, sync: Callable[[], None]
 ) -> float:
     """DTensor's Python dispatch on one operator, beyond the operator itself."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    from .. import collectives
-
-    mesh = collectives.device_mesh(dev.type, (collectives.world_size(),))
     d = DTensor.from_local(tiny, mesh, [Replicate()])
     return max(0.0, _best(lambda: [d.add_(1.0) for _ in range(200)], repeats, sync) / 200 - op)

@@ -306,8 +306,7 @@ def main(argv: list[str]) -> int:
     )
     slowdown = 1.0
     if hw.device == "cpu" and args.measure:
-        hw = _shared_cores(hw, args.world_size)
-        slowdown = max(1.0, args.world_size / usable_cpus())
+        hw, slowdown = _shared_cores(hw, args.world_size)
     if args.compute == "measured":
         import torch
 
@@ -359,14 +358,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _shared_cores(hw: Any, ranks: int) -> Any:
+def _shared_cores(hw: Any, ranks: int) -> tuple[Any, float]:
     """The CPU's rates were calibrated with one rank per core (two on two): more
-    ranks than cores share them, and each rank computes that much slower."""
+    ranks than cores share them, and each rank computes that much slower. Returns
+    the rates scaled so, and the slowdown (for operators measured here)."""
     from dataclasses import replace
 
     share = min(1.0, usable_cpus() / ranks)
     if share == 1.0:
-        return hw
+        return hw, 1.0
     return replace(
         hw,
         matmul_flops=hw.matmul_flops * share,
@@ -378,7 +378,7 @@ def _shared_cores(hw: Any, ranks: int) -> Any:
         view_overhead=hw.view_overhead / share,
         dtensor_overhead=hw.dtensor_overhead / share,
         source=hw.source + f"; {ranks} ranks on {usable_cpus()} cores: rates x {share:.2f}",
-    )
+    ), 1.0 / share
 
 
 def _cuda() -> bool:

@@ -59,7 +59,7 @@ def calibrate_worker(args: Any) -> int:
 
     w = init_worker()
     dist.barrier()  # every rank measures at the same time
-    hw = calibrate(w.device.type if w.device.type != "cuda" else str(w.device))
+    hw = calibrate(str(w.device))
     dist.barrier()
     if w.is_main:
         source = f"{hw.source}, {dist.get_world_size()} ranks at once"
