@@ -174,6 +174,39 @@ def test_offload_counts_the_states_as_host_memory_for_a_cuda_target() -> None:
     assert abs(saved - expect) < 1e-6 * expect, (saved, expect)
 
 
+def _workspace_plans() -> dict[str, Any]:
+    from dataclasses import replace
+
+    from shardwise.planner import H200, THIS_CPU, plan
+    from shardwise_app.models.gpt import GPT, SIZES
+
+    def run(hw: Any) -> Any:
+        p = plan(lambda: GPT(SIZES["tiny"]), 2, batch_size=2, seq_len=64, hardware=hw)
+        return {"peak": p.peak_bytes, "kinds": p.peak_by_kind, "curve": p.memory_curve}
+
+    return {
+        "h200": run(H200),
+        "none": run(replace(H200, blas_workspace=0)),
+        "cpu": run(replace(THIS_CPU, blas_workspace=32 << 20)),
+    }
+
+
+def test_a_cuda_target_counts_cublas_workspaces_through_the_step() -> None:
+    """cuBLAS keeps a workspace per thread that multiplies (forward's and autograd's),
+    from the first step on: a CUDA target's peak and whole memory curve carry both;
+    a CPU target has none, whatever the figure says."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        out = pool.submit(_workspace_plans).result(timeout=200)
+    with_ws, without = out["h200"], out["none"]
+    assert with_ws["kinds"]["blas_workspaces"] == 2 * (32 << 20), with_ws["kinds"]
+    assert with_ws["peak"] == without["peak"] + 2 * (32 << 20)
+    assert sum(with_ws["kinds"].values()) == with_ws["peak"]
+    assert [b - a for (_, a, _), (_, b, _) in zip(without["curve"], with_ws["curve"])] == [
+        2 * (32 << 20)
+    ] * len(without["curve"])
+    assert "blas_workspaces" not in out["cpu"]["kinds"]
+
+
 def test_offload_copies_count_what_a_gpu_run_holds() -> None:
     """On a GPU a download holds the device tensor it reads until the next download
     (or the end of backward: offload.py), and an upload makes a device copy of the

@@ -6,7 +6,8 @@ figure is the best of a few repeats of one kind of work: a linear layer's
 forward and backward (FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
 tiny add (the fixed cost of one operator), a view, and an add on a DTensor
 (its Python dispatch), torch's AdamW stepping host fp32 parameters (an
-offloaded optimizer, on the host's threads whatever the device), and, in a
+offloaded optimizer, on the host's threads whatever the device), on a GPU
+the bytes cuBLAS keeps per thread that multiplies, and, in a
 process group of several ranks, an all-gather over them (latency and bus
 bandwidth inside one node). Across nodes is left to the caller (it depends
 on the links).
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .policy import H200, THIS_CPU, Hardware
+from .policy import BLAS_THREADS, H200, THIS_CPU, Hardware
 from .timeline import ADAMW_BYTES_PER_PARAM
 
 
@@ -76,6 +77,20 @@ def linear_flops(
     return 3 * 2 * tokens * d_in * d_out / _best(fwd_bwd, repeats, sync)
 
 
+def blas_workspace(device: torch.device) -> int | None:
+    """Bytes cuBLAS keeps per thread that multiplies: what a first product's forward
+    (this thread) and backward (autograd's thread) leave allocated, over
+    ``BLAS_THREADS``. None if this process has multiplied before (nothing is added)."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    a = torch.randn(64, 64, device=device, requires_grad=True)
+    (a @ a).sum().backward()
+    del a
+    torch.cuda.synchronize(device)
+    grown = torch.cuda.memory_allocated(device) - before
+    return grown // BLAS_THREADS if grown > 0 else None
+
+
 # (tokens, in, out): a transformer MLP's up projection at sizes each device trains.
 CPU_LINEAR = (512, 512, 2048)
 CUDA_LINEAR = (8192, 2048, 8192)
@@ -90,6 +105,11 @@ def calibrate(device: str = "cpu", repeats: int = 5) -> Hardware:
         if cuda:
             torch.cuda.synchronize(dev)
 
+    rates: dict[str, Any] = {}
+    if cuda:  # first: a product made before would hide it
+        workspace = blas_workspace(dev)
+        if workspace is not None:
+            rates["blas_workspace"] = workspace
     shape = CUDA_LINEAR if cuda else CPU_LINEAR
     fp32 = linear_flops(torch.float32, dev, shape, repeats)
     bf16 = linear_flops(torch.bfloat16, dev, shape, repeats)
@@ -100,7 +120,6 @@ def calibrate(device: str = "cpu", repeats: int = 5) -> Hardware:
     op = _best(lambda: [tiny + tiny for _ in range(n)], repeats, sync) / n
     view = _best(lambda: [tiny.view(2, 4) for _ in range(n)], repeats, sync) / n
     base = H200 if cuda else THIS_CPU
-    rates: dict[str, Any] = {}
     if cuda:
         host = torch.randn(1 << 24)
         rates["host_mem_bw"] = 3 * host.numel() * 4 / _best(lambda: host + host, repeats, sync)

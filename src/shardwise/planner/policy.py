@@ -56,7 +56,9 @@ class Hardware:
     parameter (timeline.ADAMW_BYTES_PER_PARAM; ``host_mem_bw`` for other host
     operators); ``h2d_bw`` the copies between host and device.
     ``alloc_round``: the device allocator's block size (allocated bytes are
-    multiples of it).
+    multiples of it). ``blas_workspace``: the bytes cuBLAS takes from the
+    allocator for each thread that runs a matrix product (``BLAS_THREADS`` of
+    them in a step), made at its first product and kept.
     """
 
     name: str
@@ -74,6 +76,7 @@ class Hardware:
     h2d_bw: float
     alloc_round: int
     host_adamw_bw: float = 0.0  # 0: host_mem_bw
+    blas_workspace: int = 0
     # False where the collectives' work runs on the cores compute needs (gloo ranks
     # filling a CPU's cores): a collective then adds its time to the compute stream.
     comm_overlaps: bool = True
@@ -111,6 +114,9 @@ H200 = Hardware(
     h2d_bw=49.2e9,
     alloc_round=512,
     host_adamw_bw=32.6e9,
+    # torch's default cuBLAS workspace on a Hopper GPU (CUBLAS_WORKSPACE_CONFIG unset):
+    # 32 MiB, measured there as the growth of the allocated bytes at a first product.
+    blas_workspace=32 << 20,
     source="calibrate('cuda') on one H200, 2026-12-02; NVLink and InfiniBand from the "
     "datasheets, derated (not measured)",
 )
@@ -142,3 +148,8 @@ THIS_CPU = Hardware(
 )
 
 HARDWARE = {"h200": H200, "cpu": THIS_CPU}
+
+# Threads that run matrix products in a training step on a GPU: the one that calls
+# forward, and autograd's thread for the device, which runs backward (with its
+# own cuBLAS handle, hence its own workspace).
+BLAS_THREADS = 2

@@ -11,10 +11,11 @@ live bytes are.
 
 What needs no GPU: all of it. The fake tensors live on the CPU, so the
 runtime takes its CPU paths; for a CUDA target what differs is added from
-the target's figures (the allocator's block rounding, foreach AdamW), and the
-CUDA-only side streams (a collective's copy-in beside compute) are timed, not
-run. One path is not reproduced: at world size 1 on a GPU, a bf16 cast is
-prefetched one block ahead, which a CPU run never does.
+the target's figures (the allocator's block rounding, foreach AdamW, cuBLAS's
+workspaces, which no dispatch mode sees), and the CUDA-only side streams (a
+collective's copy-in beside compute) are timed, not run. One path is not
+reproduced: at world size 1 on a GPU, a bf16 cast is prefetched one block
+ahead, which a CPU run never does.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ import torch.nn as nn
 
 from .. import collectives
 from ..api import hsdp_mesh
-from .policy import Hardware, Policy
+from .policy import BLAS_THREADS, Hardware, Policy
 from .setup import InputFn, LossFn, apply_policy, lm_loss, make_optimizer, token_batch
 from .timeline import staging_live
 from .tracker import Event, Tracker, saving_as_activations, storages_of
 
 PARAMS, GRADS, OPTIM = "sharded_params", "grads", "optimizer_state"
+WORKSPACES = "blas_workspaces"
 
 
 @dataclass
@@ -183,11 +185,15 @@ def simulate(
             host: dict[str, int] = {}
             stop_at = -1
             host_peak = 0
+            # Made in the first step's forward and backward, live through every later one.
+            workspaces = hw.blas_workspace * BLAS_THREADS if hw.device == "cuda" else 0
             counting = False
 
             def take() -> None:
                 known = _known(params, opt)
                 by_kind.update(tracker.snapshot(known))
+                if workspaces:
+                    by_kind[WORKSPACES] = workspaces
                 host.update(tracker.host_bytes(known))
 
             try:
@@ -215,7 +221,7 @@ def simulate(
                         events = tracker.events
                         staging = staging_live(events)
                         for e, extra in zip(events, staging):
-                            e.live += extra
+                            e.live += extra + workspaces
                         peak_index = max(range(len(events)), key=lambda i: events[i].live)
                         stop_at = peak_index
                         host_peak = tracker.host_peak

@@ -124,6 +124,13 @@ def load_rates(path: str) -> Any:
 
 TEXT = ("name", "device", "source")
 FLAGS = ("comm_overlaps",)
-COUNTS = ("ranks_per_node", "alloc_round")
+COUNTS = ("ranks_per_node", "alloc_round", "blas_workspace")
 # Fixed costs may be nothing; host_adamw_bw 0 means host_mem_bw. Every other rate divides.
-MAY_BE_ZERO = ("op_overhead", "view_overhead", "dtensor_overhead", "latency", "host_adamw_bw")
+MAY_BE_ZERO = (
+    "op_overhead",
+    "view_overhead",
+    "dtensor_overhead",
+    "latency",
+    "host_adamw_bw",
+    "blas_workspace",
+)
