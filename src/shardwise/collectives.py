@@ -42,6 +42,7 @@ class CollectiveRecord:
     group_size: int
     label: str  # the module's name, for humans
     op: str = ""  # reductions: "sum" (then divided, if at all), "avg" (inside it), "max" (clipping)
+    parts: int = 1  # tensors in it: gloo runs each as a collective of its own
 
 
 Observer = Callable[[CollectiveRecord, "Pending"], None]
@@ -98,10 +99,12 @@ def _notify(
     p: Pending,
     op: str = "",
     numel: int | None = None,  # several tensors of t's dtype: their total
+    parts: int = 1,
 ) -> None:
     if _observers:
         n = t.numel() if numel is None else numel
-        rec = CollectiveRecord(kind, t.dtype, n, n * t.element_size(), group_size, label, op)
+        size = n * t.element_size()
+        rec = CollectiveRecord(kind, t.dtype, n, size, group_size, label, op, parts)
         for fn in list(_observers):
             fn(rec, p)
 
@@ -162,7 +165,15 @@ def all_gather_each(
         )
     p = Pending(StreamWork() if side else work, label=label, kind="all_gather")
     numel = sum(t.numel() for t in outputs) if _observers else 0
-    _notify("all_gather", outputs[0], dist.get_world_size(group), label, p, numel=numel)
+    _notify(
+        "all_gather",
+        outputs[0],
+        dist.get_world_size(group),
+        label,
+        p,
+        numel=numel,
+        parts=len(outputs),
+    )
     return p
 
 

@@ -22,6 +22,7 @@ their operands in three different layouts, and a device without native bf16
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -43,6 +44,20 @@ def _best(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> f
         sync()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _median(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    """The middle of ``repeats`` timings: for a cost whose spread is the machine's
+    (gloo's threads on shared cores), where the best is a round seldom repeated."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def host_adamw_bw(numel: int = 1 << 22, tensors: int = 8, repeats: int = 3) -> float:
@@ -90,6 +105,9 @@ def blas_workspace(device: torch.device) -> int | None:
     grown = torch.cuda.memory_allocated(device) - before
     return grown // BLAS_THREADS if grown > 0 else None
 
+
+PARTS = 8  # a block's parameters, about: what one gather of a module holds
+ROUNDS = 20
 
 # (tokens, in, out): a transformer MLP's up projection at sizes each device trains.
 CPU_LINEAR = (512, 512, 2048)
@@ -153,7 +171,13 @@ def _collective_rates(
 ) -> dict[str, float]:
     """The world's all-gather: ``latency`` (a few bytes) and bus bandwidth (16 MiB a
     rank's output), as the timeline charges them: ``latency + bytes per rank / bw``,
-    bytes per rank (n-1)/n of the output. The world is one node here: ``intra_bw``."""
+    bytes per rank (n-1)/n of the output. The world is one node here: ``intra_bw``.
+
+    The latency is taken as the runtime pays it: a module's parameters gathered
+    together (``all_gather_each``), one tensor each. NCCL groups them into one
+    launch, so that is one latency; gloo runs each as a collective of its own,
+    and ``PARTS`` of them in flight cost about ``PARTS`` latencies (2026-12-02, 2
+    gloo ranks: 12 small tensors took 7 to 9 ms, one took 0.3 to 0.8)."""
     from .. import collectives
 
     group = mesh.get_group()
@@ -164,7 +188,20 @@ def _collective_rates(
         out = torch.empty(numel // n * n, device=dev)
         return lambda: collectives.all_gather(out, inp, group, "calibrate").wait()
 
-    latency = _best(gather(8 * n), repeats, sync)
+    def gather_each(numel: int) -> Callable[[], object]:
+        inps = [torch.ones(numel, device=dev) for _ in range(PARTS)]
+        outs = [torch.empty(numel * n, device=dev) for _ in range(PARTS)]
+        return lambda: collectives.all_gather_each(outs, inps, group, "calibrate").wait()
+
+    each = gather_each(8)
+
+    def several() -> None:  # sustained, as a step issues them: not one lucky round
+        for _ in range(ROUNDS):
+            each()
+
+    latency = _median(several, max(repeats, 9), sync) / ROUNDS
+    if dev.type == "cpu":
+        latency /= PARTS
     numel = 1 << 22
     big = _best(gather(numel), repeats, sync)
     moved = numel * 4 * (n - 1) / n

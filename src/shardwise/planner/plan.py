@@ -17,11 +17,12 @@ from typing import Any
 
 import torch.nn as nn
 
+from .local_step import local_step_seconds
 from .op_costs import measure
 from .policy import H200, Hardware, Policy
 from .setup import InputFn, LossFn, lm_loss, token_batch
 from .simulate import check_world, simulate
-from .timeline import StepTime, replay
+from .timeline import StepTime, op_seconds, replay
 
 GIB = 1 << 30
 
@@ -113,7 +114,10 @@ def plan(
     ``compute``: "rates" times each operator from its FLOPs and bytes at
     ``hardware``'s rates; "measured" runs each distinct operator on this
     machine's device (op_costs.py), which must be ``hardware.device``, and
-    multiplies its time by ``slowdown`` (ranks sharing a core: ranks / cores).
+    multiplies its time by ``slowdown`` (ranks sharing a core: ranks / cores);
+    for a CPU target it also runs the rank's step for real under the fake
+    process group (local_step.py) and scales the operators' times up to it,
+    the Python between them included.
     """
     policy = policy or Policy()
     check_world(world_size, hsdp)
@@ -135,6 +139,7 @@ def plan(
         record_calls=measured,
     )
     how: dict[str, Any] = {"mode": compute}
+    host_scale = 1.0
     if measured:
         ops = [e for e in sim.events if e.kind == "op"]
         costs = measure([e.call for e in ops], hardware.device)
@@ -149,7 +154,18 @@ def plan(
             measuring_s=costs.wall_s,
             slowdown=slowdown,
         )
-    t = replay(sim.events, hardware, world_size, policy.offload, sim.host_params)
+        if hardware.device == "cpu":
+            # The Python between the operators shares the rank's core with them:
+            # the rank's real step (local_step.py) says how much it adds.
+            local = slowdown * local_step_seconds(
+                build, world_size, policy, batch_size, seq_len, hsdp, input_fn, loss_fn
+            )
+            ops_s = sum(op_seconds(e, hardware) for e in ops)
+            host_scale = max(1.0, local / ops_s) if ops_s > 0 else 1.0
+            how.update(local_step_ms=local * 1e3, operators_ms=ops_s * 1e3, host_scale=host_scale)
+    t = replay(
+        sim.events, hardware, world_size, policy.offload, sim.host_params, host_scale=host_scale
+    )
     return Plan(
         world_size=world_size,
         hsdp=hsdp,

@@ -171,6 +171,7 @@ def simulate(
                     key=key,
                     numel=rec.numel // max(1, rec.group_size),
                     staging=staging,
+                    parts=rec.parts,
                 )
 
                 def done(p: Any) -> None:

@@ -72,17 +72,26 @@ def comm_seconds(e: Event, hw: Hardware, world: int, offload: bool) -> float:
     # An all-reduce is HSDP's, over the replicas: across nodes once the world is.
     crosses = world > hw.ranks_per_node if e.coll == "all_reduce" else e.group > hw.ranks_per_node
     bw = hw.inter_bw if crosses else hw.intra_bw
-    t = hw.latency + e.nbytes / bw if e.group > 1 else 0.0
+    # A module's gather is one NCCL launch, but on a CPU (gloo) one collective per
+    # tensor, each paying the latency (collectives.all_gather_each).
+    latencies = e.parts if hw.device == "cpu" else 1
+    t = latencies * hw.latency + e.nbytes / bw if e.group > 1 else 0.0
     if offload and e.coll in ("all_gather", "reduce_scatter"):
         t += e.numel * 4 / hw.h2d_bw  # the fp32 shard up, or the reduced shard down
     return t
 
 
 def replay(
-    events: list[Event], hw: Hardware, world: int, offload: bool = False, host_params: int = 0
+    events: list[Event],
+    hw: Hardware,
+    world: int,
+    offload: bool = False,
+    host_params: int = 0,
+    host_scale: float = 1.0,
 ) -> StepTime:
     """``host_params``: elements of the offloaded shards, whose AdamW step runs on the
-    host at ``hw.host_adamw_bw`` (``ADAMW_BYTES_PER_PARAM`` each)."""
+    host at ``hw.host_adamw_bw`` (``ADAMW_BYTES_PER_PARAM`` each). ``host_scale``:
+    every operator's time times this (a CPU's Python between them, measured)."""
     host_bytes = sum(e.nbytes for e in events if e.kind == "op" and e.host)
     per_byte = 0.0
     if host_params and host_bytes:
@@ -101,7 +110,7 @@ def replay(
     times = []
     for e in events:
         if e.kind == "op":
-            dt = op_seconds(e, hw, per_byte, copies)
+            dt = op_seconds(e, hw, per_byte, copies) * host_scale
             clock += dt
             flops += e.flops
             by_phase[e.phase] = by_phase.get(e.phase, 0.0) + dt

@@ -59,6 +59,7 @@ class Event:
     numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
     dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
     staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
+    parts: int = 1  # issue: tensors gathered (gloo: each a collective of its own)
     transfer: int = 0  # op: bytes crossing between host and device (offload's copies)
     call: Any = field(default=None, repr=False)  # op: op_costs.Call, when calls are recorded
     seconds: float | None = None  # op: measured on this machine's device (op_costs)

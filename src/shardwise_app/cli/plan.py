@@ -105,9 +105,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compute",
         choices=("rates", "measured"),
-        default="rates",
+        default=None,
         help="time each operator from its FLOPs and bytes at the rates (default), or run "
-        "each distinct operator on this machine's device (the target must be this device)",
+        "each distinct operator on this machine's device (the target must be this device; "
+        "a CPU target also runs one rank's step here under the fake process group; the "
+        "default for --suite cpu)",
     )
     p.add_argument(
         "--rates",
@@ -141,6 +143,7 @@ def parser() -> argparse.ArgumentParser:
         "process; --json FILE (and FILE with .md) gets the table",
     )
     p.add_argument("--measure-out", default=None, help=argparse.SUPPRESS)  # a measuring worker
+    p.add_argument("--measure-time", action="store_true", help=argparse.SUPPRESS)  # its timing run
     p.add_argument("--calibrate-out", default=None, help=argparse.SUPPRESS)  # a calibrating one
     return p
 
@@ -253,6 +256,8 @@ def plot(p: Any, path: str) -> None:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.compute is None:
+        args.compute = "measured" if args.suite == "cpu" else "rates"
     if args.suite:
         from .plan_suite import run_suite
 

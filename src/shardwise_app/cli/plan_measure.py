@@ -9,14 +9,16 @@ process per GPU on CUDA), and the peak comes from the allocator: on CUDA
 events ``torch.profiler`` records with ``profile_memory=True`` (the CPU
 allocator reports every one), summed in time order from before the model is
 built. The peak is taken over the second step (the first makes the optimizer
-state); the step time is the median of the three timed steps after it, without the
-profiler.
+state). The step time comes from launches that never profile (on the CPU
+a profiled start left later steps up to 40% slower, 2026-12-02: the
+allocator's state it leaves): in each, ``WARM_STEPS`` untimed, then the
+median of ``TIMED_STEPS``, every rank starting each together, the slowest
+rank's median; the figure is the median over ``TIMING_LAUNCHES`` launches.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -25,7 +27,11 @@ from typing import Any
 
 from .main import Launch, UsageError, check_nproc, in_worker, init_worker, launch
 
-TIMED_STEPS = 3
+WARM_STEPS = 2
+TIMED_STEPS = 7
+# A launch's steps move together (on the 2-core machine a launch's median sat up
+# to 20% from the next one's, 2026-12-02): the median of three launches' figures.
+TIMING_LAUNCHES = 3
 
 
 def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict[str, Any]:
@@ -36,11 +42,20 @@ def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict
     check_nproc(nproc)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "measured.json"
-        worker_args = _worker_args(args, predicted, seq, batch, out)
-        code = launch("plan", worker_args, Launch(nproc), lambda _id, sig: 128 + sig)
-        if code or not out.is_file():
-            raise SystemExit(code or 1)
-        measured = json.loads(out.read_text())
+        measured: dict[str, Any] = {}
+        launches: list[float] = []
+        for timing in (False, *[True] * TIMING_LAUNCHES):
+            worker_args = _worker_args(args, predicted, seq, batch, out)
+            worker_args["measure_time"] = timing
+            code = launch("plan", worker_args, Launch(nproc), lambda _id, sig: 128 + sig)
+            if code or not out.is_file():
+                raise SystemExit(code or 1)
+            measured.update(json.loads(out.read_text()))
+            out.unlink()
+            if timing:
+                launches.append(measured["step_ms"])
+        measured["step_ms_per_launch"] = launches
+        measured["step_ms"] = statistics.median(launches)
     print_comparison(predicted, measured)
     return measured
 
@@ -93,7 +108,8 @@ def print_comparison(p: Any, m: dict[str, Any]) -> None:
 
 
 def run_worker(args: Any, build: Any) -> int:
-    """One rank: build, shard, train three steps (the second's peak measured), time five."""
+    """One rank: build, shard, train two steps and measure the second's peak; or, in the
+    timing launch, train ``WARM_STEPS`` and time ``TIMED_STEPS``."""
     import torch
     import torch.distributed as dist
 
@@ -111,7 +127,8 @@ def run_worker(args: Any, build: Any) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    prof = None if cuda else _cpu_profiler()
+    timing = bool(getattr(args, "measure_time", False))
+    prof = None if cuda or timing else _cpu_profiler()
     if prof is not None:
         prof.start()
     torch.manual_seed(0)
@@ -126,20 +143,50 @@ def run_worker(args: Any, build: Any) -> int:
     with w.device:
         data = token_batch(model, args.batch_size, args.seq_len)
     step(model, opt, data)  # the optimizer state, the recorded orders
-    if cuda:
+    if timing:
+        out = _time_steps(step, model, opt, data, cuda)
+    else:
+        out = {"peak_bytes": _peak_of_step(step, model, opt, data, prof)}
+    if w.is_main:
+        out.update(
+            device=torch.cuda.get_device_name() if cuda else "cpu",
+            world_size=w.world,
+            threads_per_rank=torch.get_num_threads(),
+        )
+        Path(args.measure_out).write_text(json.dumps(out))
+    dist.destroy_process_group()
+    return 0
+
+
+def _peak_of_step(step: Any, model: Any, opt: Any, data: Any, prof: Any) -> list[Any]:
+    """Every rank's peak over one step (the second: the optimizer state exists)."""
+    import torch
+
+    from shardwise import collectives
+
+    if prof is None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with torch.profiler.record_function("shardwise_measured_step"):
         step(model, opt, data)
-    if cuda:
+    if prof is None:
         torch.cuda.synchronize()
         peak = int(torch.cuda.max_memory_allocated())
     else:
-        assert prof is not None
         prof.stop()
         peak = _cpu_peak(prof, "shardwise_measured_step")
+    return collectives.all_gather_objects(peak)
+
+
+def _time_steps(step: Any, model: Any, opt: Any, data: Any, cuda: bool) -> dict[str, Any]:
+    """The slowest rank's median step, every rank's, and each step as timed."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise import collectives
+
     times = []
-    for _ in range(TIMED_STEPS):
+    for i in range(WARM_STEPS - 1 + TIMED_STEPS):  # the first warm step was taken
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
@@ -147,27 +194,14 @@ def run_worker(args: Any, build: Any) -> int:
         step(model, opt, data)
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peaks: list[Any] = [None] * w.world
-    dist.all_gather_object(peaks, peak)
-    step_s: list[Any] = [None] * w.world
-    dist.all_gather_object(step_s, statistics.median(times))
-    if w.is_main:
-        Path(args.measure_out).write_text(
-            json.dumps(
-                {
-                    "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "world_size": w.world,
-                    "peak_bytes": peaks,
-                    "step_ms": 1e3 * max(float(s) for s in step_s if s is not None),
-                    "step_ms_per_rank": [1e3 * float(s) for s in step_s if s is not None],
-                    "threads_per_rank": torch.get_num_threads(),
-                    "pid": os.getpid(),
-                }
-            )
-        )
-    dist.destroy_process_group()
-    return 0
+        if i >= WARM_STEPS - 1:
+            times.append(time.perf_counter() - t0)
+    medians = collectives.all_gather_objects(statistics.median(times))
+    return {
+        "step_ms": 1e3 * max(medians),
+        "step_ms_per_rank": [1e3 * m for m in medians],
+        "steps_ms": [1e3 * t for t in times],
+    }
 
 
 def _cpu_profiler() -> Any:

@@ -70,20 +70,30 @@ SUITES = {
 
 
 def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -> int:
-    """``extra``: flags every configuration gets (``--rates FILE``, ``--compute``)."""
+    """``extra``: flags every configuration gets (``--rates FILE``, ``--compute``).
+
+    The CPU suite without ``--rates`` calibrates this machine first, in the same
+    invocation (``calibrated_rates``): a CPU's rates are its own, and a default
+    measured on another machine says nothing here."""
     rows: list[dict[str, Any]] = []
     env = dict(os.environ)
+    extra = list(extra or [])
+    rates: dict[int, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if name == "cpu" and "--rates" not in extra:
+            rates = calibrated_rates(Path(tmp), sorted({_world(a) for a in SUITES[name]}))
         for i, argv in enumerate(SUITES[name]):
             out = Path(tmp) / f"{i}.json"
             measure = [] if name == "scaling" else ["--measure"]
+            own = ["--rates", rates[_world(argv)]] if rates else []
             cmd = [
                 sys.executable,
                 "-m",
                 "shardwise",
                 "plan",
                 *argv,
-                *(extra or []),
+                *extra,
+                *own,
                 *measure,
                 "--json",
                 str(out),
@@ -102,9 +112,45 @@ def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -
     table = markdown(rows) if name != "scaling" else predictions_markdown(rows)
     print(table)
     if out_json:
-        Path(out_json).write_text(json.dumps({"suite": name, "rows": rows}, indent=2) + "\n")
+        used = {w: json.loads(Path(f).read_text()) for w, f in rates.items()} if rates else {}
+        doc = {"suite": name, "rows": rows, **({"rates": used} if used else {})}
+        Path(out_json).write_text(json.dumps(doc, indent=2) + "\n")
         Path(out_json).with_suffix(".md").write_text(table + "\n")
     return 0
+
+
+def _world(argv: list[str]) -> int:
+    return int(argv[argv.index("--world-size") + 1])
+
+
+def calibrated_rates(tmp: Path, worlds: list[int]) -> dict[int, str]:
+    """A rates file per world size, measured here now: compute with one rank per core
+    (as many ranks as cores, or the fewest the suite runs), each world's collectives
+    with that many ranks at once (more ranks than cores share them, which is what
+    their latency is then). Returns the file for each world size."""
+    from .main import usable_cpus
+
+    def calibrate(nproc: int) -> dict[str, Any]:
+        out = tmp / f"rates_{nproc}.json"
+        cmd = [sys.executable, "-m", "shardwise", "plan", "--calibrate", "--nproc", str(nproc)]
+        subprocess.run([*cmd, "--json", str(out)], check=True, capture_output=True)
+        return dict(json.loads(out.read_text()))
+
+    cores = min(usable_cpus(), worlds[0])
+    base = calibrate(max(2, cores))
+    files = {}
+    for w in worlds:
+        r = dict(base)
+        if w != max(2, cores):
+            own = calibrate(w)
+            r.update(latency=own["latency"], intra_bw=own["intra_bw"])
+            r["source"] = f"{base['source']}; collectives: {own['source']}"
+        f = tmp / f"rates_for_{w}.json"
+        f.write_text(json.dumps(r))
+        files[w] = str(f)
+        print(f"rates for {w} ranks: latency {r['latency'] * 1e6:.0f} us, bus "
+              f"{r['intra_bw'] / 1e9:.2f} GB/s ({r['source']})", flush=True)  # fmt: skip
+    return files
 
 
 def _summary(d: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +165,10 @@ def _summary(d: dict[str, Any]) -> dict[str, Any]:
         "step_error_pct": 100.0 * (d["step_ms"] - m["step_ms"]) / m["step_ms"],
         "peak_where": d["peak_where"],
         "device": m["device"],
+        "predicted_compute_ms": d["time"]["compute_ms"],
+        "predicted_comm_ms": d["time"]["comm_ms"],
+        "compute": d["compute"],
+        "measured_step_ms_per_launch": m.get("step_ms_per_launch"),
     }
 
 
