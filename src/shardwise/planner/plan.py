@@ -142,16 +142,21 @@ def plan(
     host_scale = 1.0
     if measured:
         ops = [e for e in sim.events if e.kind == "op"]
-        costs = measure([e.call for e in ops], hardware.device)
+        # An offloaded optimizer's operators run on the host, whatever the target:
+        # timed on this machine's CPU, with this process's threads.
+        costs = measure([e.call for e in ops if not e.host], hardware.device)
+        host_costs = measure([e.call for e in ops if e.host], "cpu")
         for e in ops:
-            if e.call is not None and e.call.key in costs.seconds:
-                e.seconds = costs.seconds[e.call.key] * slowdown
+            found = host_costs if e.host else costs
+            if e.call is not None and e.call.key in found.seconds:
+                e.seconds = found.seconds[e.call.key] * slowdown
         how.update(
-            distinct_calls=costs.measured,
-            failed=costs.failed,
+            distinct_calls=costs.measured + host_costs.measured,
+            host_distinct_calls=host_costs.measured,
+            failed=costs.failed + host_costs.failed,
             ops_measured=sum(e.seconds is not None for e in ops),
             ops=len(ops),
-            measuring_s=costs.wall_s,
+            measuring_s=costs.wall_s + host_costs.wall_s,
             slowdown=slowdown,
         )
         if hardware.device == "cpu":

@@ -58,7 +58,7 @@ def op_seconds(e: Event, hw: Hardware, host_per_byte: float = 0.0, copies: bool 
     copy = e.transfer / hw.h2d_bw if copies else 0.0
     if not e.nbytes and not e.flops:
         return max(hw.view_overhead, copy) + extra
-    if e.host:
+    if e.host and e.seconds is None:
         per_byte = host_per_byte or 1.0 / hw.host_mem_bw
         return e.nbytes * per_byte + hw.op_overhead + extra
     if e.seconds is not None:  # measured on this device (op_costs.py): dispatch included
@@ -91,10 +91,13 @@ def replay(
 ) -> StepTime:
     """``host_params``: elements of the offloaded shards, whose AdamW step runs on the
     host at ``hw.host_adamw_bw`` (``ADAMW_BYTES_PER_PARAM`` each). ``host_scale``:
-    every operator's time times this (a CPU's Python between them, measured)."""
-    host_bytes = sum(e.nbytes for e in events if e.kind == "op" and e.host)
+    every operator's time times this (a CPU's Python between them, measured). Host
+    operators timed on this machine (op_costs) keep their own times instead."""
+    host_ops = [e for e in events if e.kind == "op" and e.host]
+    host_bytes = sum(e.nbytes for e in host_ops)
+    measured = any(e.seconds is not None for e in host_ops)
     per_byte = 0.0
-    if host_params and host_bytes:
+    if host_params and host_bytes and not measured:
         rate = hw.host_adamw_bw or hw.host_mem_bw
         per_byte = host_params * ADAMW_BYTES_PER_PARAM / rate / host_bytes
     # More than one rank: an offloaded gather's upload and a reduction's download

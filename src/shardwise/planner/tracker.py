@@ -311,7 +311,7 @@ class Tracker(TorchDispatchMode):
         low = any(t.dtype in (torch.bfloat16, torch.float16) for t in flat_in)
         dt = any(hasattr(t, "_local_tensor") for t in leaves)
         call = None
-        if self.record_calls and nbytes and not host:
+        if self.record_calls and nbytes:
             call = call_spec(func, args, kwargs)
         self.record(
             kind="op",

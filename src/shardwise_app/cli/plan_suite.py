@@ -79,9 +79,11 @@ def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -
     env = dict(os.environ)
     extra = list(extra or [])
     rates: dict[int, str] = {}
+    used: dict[int, Any] = {}  # the rates calibrated here, per world size
     with tempfile.TemporaryDirectory() as tmp:
         if name == "cpu" and "--rates" not in extra:
             rates = calibrated_rates(Path(tmp), sorted({_world(a) for a in SUITES[name]}))
+            used = {w: json.loads(Path(f).read_text()) for w, f in rates.items()}
         for i, argv in enumerate(SUITES[name]):
             out = Path(tmp) / f"{i}.json"
             measure = [] if name == "scaling" else ["--measure"]
@@ -112,7 +114,6 @@ def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -
     table = markdown(rows) if name != "scaling" else predictions_markdown(rows)
     print(table)
     if out_json:
-        used = {w: json.loads(Path(f).read_text()) for w, f in rates.items()} if rates else {}
         doc = {"suite": name, "rows": rows, **({"rates": used} if used else {})}
         Path(out_json).write_text(json.dumps(doc, indent=2) + "\n")
         Path(out_json).with_suffix(".md").write_text(table + "\n")
