@@ -1,0 +1,86 @@
+"""The planner's step time for a CPU target: what gloo ranks on shared cores pay.
+
+On a CPU a rank's operators, the Python between them and gloo's collectives
+share its core. The plan charges a module's gather one latency per tensor
+(gloo runs each as its own collective), measures the rank's whole step
+under the fake process group to spread the Python over the operators, and
+times an offloaded optimizer's operators on the host they run on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_gloo_pays_a_latency_per_tensor_nccl_one_per_gather() -> None:
+    from shardwise.planner import H200, THIS_CPU
+    from shardwise.planner.timeline import comm_seconds
+    from shardwise.planner.tracker import Event
+
+    def gather(parts: int) -> Event:
+        return Event("issue", 0, "forward", "b", coll="all_gather", nbytes=0, group=2, parts=parts)
+
+    cpu = replace(THIS_CPU, latency=1e-3)
+    assert comm_seconds(gather(5), cpu, 2, False) == pytest.approx(5e-3)
+    assert comm_seconds(gather(1), cpu, 2, False) == pytest.approx(1e-3)
+    gpu = replace(H200, latency=1e-3)
+    assert comm_seconds(gather(5), gpu, 2, False) == pytest.approx(1e-3)
+
+
+def _plans() -> dict[str, Any]:
+    import torch
+
+    from shardwise.planner import THIS_CPU, Policy, plan
+    from shardwise_app.models.gpt import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
+    kw: dict[str, Any] = dict(batch_size=2, seq_len=32, compute="measured")
+    p = plan(lambda: GPT(cfg), 2, hardware=THIS_CPU, **kw)
+    gathers = [e for e in _events(lambda: GPT(cfg)) if e.kind == "issue" and e.coll == "all_gather"]
+    per_block = sum(1 for _ in GPT(cfg).blocks[0].parameters())
+    off = Policy(offload=True)
+    slow = replace(THIS_CPU, host_adamw_bw=THIS_CPU.host_adamw_bw / 100)
+    o1 = plan(lambda: GPT(cfg), 1, policy=off, hardware=THIS_CPU, **kw)
+    o2 = plan(lambda: GPT(cfg), 1, policy=off, hardware=slow, **kw)
+    return {
+        "compute": p.compute,
+        "compute_ms": p.time.compute_s * 1e3,
+        "parts": sorted({e.parts for e in gathers}),
+        "per_block": per_block,
+        "host_calls": o1.compute["host_distinct_calls"],
+        "optimizer_ms": (o1.time.by_phase["optimizer"], o2.time.by_phase["optimizer"]),
+    }
+
+
+def _events(build: Any) -> list[Any]:
+    from shardwise.planner import THIS_CPU, Policy
+    from shardwise.planner.simulate import simulate
+
+    return simulate(build, 2, Policy(), THIS_CPU, 2, 32).events
+
+
+def test_measured_cpu_plan_counts_tensors_the_rank_step_and_host_operators() -> None:
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        out = pool.submit(_plans).result(timeout=280)
+    # Every block's gather carries its parameters' count (the root has fewer).
+    assert out["per_block"] in out["parts"] and max(out["parts"]) == out["per_block"], out
+    # The operators' times are scaled up to the rank's whole step measured here:
+    # together they are that step (never less than the operators alone).
+    c = out["compute"]
+    assert c["host_scale"] >= 1.0
+    assert c["host_scale"] == pytest.approx(max(1.0, c["local_step_ms"] / c["operators_ms"]))
+    assert out["compute_ms"] == pytest.approx(c["operators_ms"] * c["host_scale"], rel=1e-6)
+    # The host's AdamW operators are timed here, so the rate no longer decides them:
+    # a hundredth of it (a hundred times the time, by the rate) changes nothing but
+    # the noise of two measurements.
+    assert out["host_calls"] > 0
+    fast, slow = out["optimizer_ms"]
+    assert slow < 2 * fast, out
