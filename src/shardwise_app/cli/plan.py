@@ -143,7 +143,9 @@ def parser() -> argparse.ArgumentParser:
         "process; --json FILE (and FILE with .md) gets the table",
     )
     p.add_argument("--measure-out", default=None, help=argparse.SUPPRESS)  # a measuring worker
-    p.add_argument("--measure-time", action="store_true", help=argparse.SUPPRESS)  # its timing run
+    p.add_argument(  # what a measuring launch measures: peak, time or both
+        "--measure-time", default=None, choices=("peak", "time", "both"), help=argparse.SUPPRESS
+    )
     p.add_argument("--calibrate-out", default=None, help=argparse.SUPPRESS)  # a calibrating one
     return p
 

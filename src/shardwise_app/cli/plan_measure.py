@@ -9,11 +9,13 @@ process per GPU on CUDA), and the peak comes from the allocator: on CUDA
 events ``torch.profiler`` records with ``profile_memory=True`` (the CPU
 allocator reports every one), summed in time order from before the model is
 built. The peak is taken over the second step (the first makes the optimizer
-state). The step time comes from launches that never profile (on the CPU
-a profiled start left later steps up to 40% slower, 2026-12-02: the
+state). On the CPU the step time comes from launches that never profile (a
+profiled start left later steps up to 40% slower, 2026-12-02: the
 allocator's state it leaves): in each, ``WARM_STEPS`` untimed, then the
 median of ``TIMED_STEPS``, every rank starting each together, the slowest
 rank's median; the figure is the median over ``TIMING_LAUNCHES`` launches.
+On a GPU, which nothing profiles, the same steps follow the peak's in one
+launch.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict
         out = Path(tmp) / "measured.json"
         measured: dict[str, Any] = {}
         launches: list[float] = []
-        for timing in (False, *[True] * TIMING_LAUNCHES):
+        # On a GPU nothing is profiled: one launch measures both.
+        cuda = predicted.hardware.device == "cuda"
+        for timing in ["both"] if cuda else ["peak", *["time"] * TIMING_LAUNCHES]:
             worker_args = _worker_args(args, predicted, seq, batch, out)
             worker_args["measure_time"] = timing
             code = launch("plan", worker_args, Launch(nproc), lambda _id, sig: 128 + sig)
@@ -52,7 +56,7 @@ def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict
                 raise SystemExit(code or 1)
             measured.update(json.loads(out.read_text()))
             out.unlink()
-            if timing:
+            if timing != "peak":
                 launches.append(measured["step_ms"])
         measured["step_ms_per_launch"] = launches
         measured["step_ms"] = statistics.median(launches)
@@ -127,8 +131,8 @@ def run_worker(args: Any, build: Any) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    timing = bool(getattr(args, "measure_time", False))
-    prof = None if cuda or timing else _cpu_profiler()
+    timing = getattr(args, "measure_time", None) or "both"
+    prof = None if cuda or timing == "time" else _cpu_profiler()
     if prof is not None:
         prof.start()
     torch.manual_seed(0)
@@ -143,10 +147,11 @@ def run_worker(args: Any, build: Any) -> int:
     with w.device:
         data = token_batch(model, args.batch_size, args.seq_len)
     step(model, opt, data)  # the optimizer state, the recorded orders
-    if timing:
-        out = _time_steps(step, model, opt, data, cuda)
-    else:
-        out = {"peak_bytes": _peak_of_step(step, model, opt, data, prof)}
+    out: dict[str, Any] = {}
+    if timing != "time":
+        out["peak_bytes"] = _peak_of_step(step, model, opt, data, prof)
+    if timing != "peak":
+        out.update(_time_steps(step, model, opt, data, cuda))
     if w.is_main:
         out.update(
             device=torch.cuda.get_device_name() if cuda else "cpu",
@@ -186,7 +191,7 @@ def _time_steps(step: Any, model: Any, opt: Any, data: Any, cuda: bool) -> dict[
     from shardwise import collectives
 
     times = []
-    for i in range(WARM_STEPS - 1 + TIMED_STEPS):  # the first warm step was taken
+    for i in range(WARM_STEPS - 1 + TIMED_STEPS):  # a first step was taken
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
