@@ -28,6 +28,7 @@ repeated call.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -109,7 +110,7 @@ def _args(call: Call, device: torch.device) -> tuple[tuple[Any, ...], dict[str, 
     return args, kwargs
 
 
-def _time(call: Call, device: torch.device, repeats: int) -> float:
+def _time(call: Call, device: torch.device, repeats: int, median: bool = False) -> float:
     args, kwargs = _args(call, device)
     call.func(*args, **kwargs)  # warm: first-call work, caches
     if device.type == "cuda":
@@ -125,16 +126,20 @@ def _time(call: Call, device: torch.device, repeats: int) -> float:
             end.synchronize()
             best = min(best, start.elapsed_time(end) / 1e3 / n)
         return best
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         call.func(*args, **kwargs)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) if median else min(times)
 
 
-def measure(calls: list[Call | None], device: str = "cpu", repeats: int = 3) -> Costs:
-    """Time every distinct call in ``calls`` on ``device`` (None entries are skipped)."""
+def measure(
+    calls: list[Call | None], device: str = "cpu", repeats: int = 3, median: bool = False
+) -> Costs:
+    """Time every distinct call in ``calls`` on ``device`` (None entries are skipped).
+    ``median``: the middle of the repeats, not the best (a host that others share,
+    where a step's operators meet the spread, not the best round)."""
     dev = torch.device(device)
     t0 = time.perf_counter()
     seconds: dict[tuple[Any, ...], float] = {}
@@ -147,7 +152,7 @@ def measure(calls: list[Call | None], device: str = "cpu", repeats: int = 3) -> 
             continue
         try:
             with torch.no_grad():
-                seconds[key] = _time(call, dev, repeats)
+                seconds[key] = _time(call, dev, repeats, median)
         except Exception:  # an operator that needs real values or a real context
             failed.add(key)
     return Costs(seconds, len(seconds), len(failed), time.perf_counter() - t0)

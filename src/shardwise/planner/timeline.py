@@ -53,7 +53,7 @@ class StepTime:
 def op_seconds(e: Event, hw: Hardware, host_per_byte: float = 0.0, copies: bool = True) -> float:
     """One operator's time. ``host_per_byte``: seconds per byte an offloaded optimizer's
     op touches (its step's whole time spread over its ops); ``copies``: time the
-    host-device copies here (one rank; else the communication stream has them)."""
+    host-device copies here (else a copy stream or a collective has them)."""
     extra = hw.dtensor_overhead if e.dtensor else 0.0
     copy = e.transfer / hw.h2d_bw if copies else 0.0
     if not e.nbytes and not e.flops:
@@ -101,8 +101,12 @@ def replay(
         rate = hw.host_adamw_bw or hw.host_mem_bw
         per_byte = host_params * ADAMW_BYTES_PER_PARAM / rate / host_bytes
     # More than one rank: an offloaded gather's upload and a reduction's download
-    # are timed with the collective (comm_seconds).
-    copies = not any(e.kind == "issue" for e in events)
+    # are timed with the collective (comm_seconds). At one rank they run on their
+    # own streams (offload.py), one each way, beside compute, and the step waits
+    # for both before the optimizer (backward's end waits for the downloads).
+    one_rank = not any(e.kind == "issue" for e in events)
+    streams = one_rank and hw.device == "cuda"  # a CPU copies on the rank's core
+    copy_free = {True: 0.0, False: 0.0}  # to the host, to the device: when each is done
     clock = 0.0  # compute stream
     comm_free = 0.0  # communication stream
     comm_total = exposed = flops = 0.0
@@ -112,7 +116,15 @@ def replay(
     by_module: dict[str, float] = {}
     times = []
     for e in events:
+        if e.kind == "op" and e.phase == "optimizer" and max(copy_free.values()) > clock:
+            exposed += max(copy_free.values()) - clock
+            clock = max(copy_free.values())
         if e.kind == "op":
+            if streams and e.transfer:
+                t = e.transfer / hw.h2d_bw
+                copy_free[e.to_host] = max(clock, copy_free[e.to_host]) + t
+                comm_total += t
+            copies = one_rank and not streams
             dt = op_seconds(e, hw, per_byte, copies) * host_scale
             clock += dt
             flops += e.flops
@@ -139,9 +151,10 @@ def replay(
                 clock = end
         times.append(clock)
     # What is still in flight at the end is waited for before the next step.
-    if comm_free > clock:
-        exposed += comm_free - clock
-        clock = comm_free
+    in_flight = max(comm_free, *copy_free.values())
+    if in_flight > clock:
+        exposed += in_flight - clock
+        clock = in_flight
     compute = sum(by_phase.values())
     return StepTime(
         clock, compute, comm_total, exposed, by_phase, by_module, times, all_ends, flops

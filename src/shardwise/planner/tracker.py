@@ -61,6 +61,7 @@ class Event:
     staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
     parts: int = 1  # issue: tensors gathered (gloo: each a collective of its own)
     transfer: int = 0  # op: bytes crossing between host and device (offload's copies)
+    to_host: bool = False  # op: the transfer is a download (else an upload)
     call: Any = field(default=None, repr=False)  # op: op_costs.Call, when calls are recorded
     seconds: float | None = None  # op: measured on this machine's device (op_costs)
 
@@ -207,7 +208,7 @@ class Tracker(TorchDispatchMode):
             tracker.mark_host([host.untyped_storage()])
             tracker.tag(t, COMM)
             reading[:] = [t]  # the previous one goes once this one is issued
-            tracker.record(kind="op", transfer=host.numel() * host.element_size())
+            tracker.record(kind="op", transfer=host.numel() * host.element_size(), to_host=True)
             return host, done
 
         def release_downloaded() -> None:
