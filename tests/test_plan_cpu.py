@@ -1,10 +1,11 @@
-"""The planner's step time for a CPU target: what gloo ranks on shared cores pay.
+"""The planner's step time where work shares a core or runs beside compute.
 
 On a CPU a rank's operators, the Python between them and gloo's collectives
 share its core. The plan charges a module's gather one latency per tensor
 (gloo runs each as its own collective), measures the rank's whole step
 under the fake process group to spread the Python over the operators, and
-times an offloaded optimizer's operators on the host they run on.
+times an offloaded optimizer's operators on the host they run on. On one
+GPU, offload's copies run on streams of their own, beside compute.
 """
 
 from __future__ import annotations
@@ -84,3 +85,26 @@ def test_measured_cpu_plan_counts_tensors_the_rank_step_and_host_operators() -> 
     assert out["host_calls"] > 0
     fast, slow = out["optimizer_ms"]
     assert slow < 2 * fast, out
+
+
+def test_one_gpu_copies_run_beside_compute_a_cpu_copies_on_its_core() -> None:
+    """Offload at one rank: on a GPU the uploads and downloads have streams of their own
+    (offload.py), so a step is its compute or its copies, whichever is longer, and the
+    optimizer waits for both; on a CPU the rank's core does everything in turn."""
+    from shardwise.planner import H200, THIS_CPU
+    from shardwise.planner.timeline import replay
+    from shardwise.planner.tracker import Event
+
+    def op(phase: str, up: int = 0, down: int = 0) -> Event:
+        return Event("op", 0, phase, "b", nbytes=1, transfer=up or down, to_host=bool(down))
+
+    events = [op("forward", up=1000), op("backward", up=1000), op("backward", down=1000)]
+    events += [op("optimizer")]
+    for hw in (H200, THIS_CPU):
+        hw = replace(hw, h2d_bw=1000.0, op_overhead=0.0, mem_bw=1e12, view_overhead=0.0)
+        t = replay(events, hw, world=1)
+        if hw.device == "cuda":
+            # Two uploads one after the other (2 s), the download beside them (1 s).
+            assert t.step_s == pytest.approx(2.0) and t.exposed_comm_s == pytest.approx(2.0)
+        else:
+            assert t.step_s == pytest.approx(3.0) and t.exposed_comm_s == 0.0

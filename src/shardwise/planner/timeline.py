@@ -9,7 +9,8 @@ bandwidth) + overhead`` (a roofline with a fixed cost). Communication is a
 second stream, one collective at a time: a collective starts when it is
 issued and the previous one is done, and lasts ``latency + bytes / bus
 bandwidth`` (intra-node or inter-node, by its group); an offloaded gather
-first uploads its shard, a reduction then downloads it. A wait moves
+first uploads its shard, a reduction then downloads it (at one GPU, with no
+collective, the copies have two streams of their own, one each way). A wait moves
 compute to the collective's end; that move is exposed communication.
 """
 
