@@ -167,7 +167,8 @@ def plan(
             local = slowdown * local_step_seconds(
                 build, world_size, policy, batch_size, seq_len, hsdp, input_fn, loss_fn
             )
-            ops_s = sum(op_seconds(e, hardware) for e in ops)
+            one_rank = not any(e.kind == "issue" for e in sim.events)  # else copies are comm
+            ops_s = sum(op_seconds(e, hardware, copies=one_rank) for e in ops)
             host_scale = max(1.0, local / ops_s) if ops_s > 0 else 1.0
             how.update(local_step_ms=local * 1e3, operators_ms=ops_s * 1e3, host_scale=host_scale)
     t = replay(
