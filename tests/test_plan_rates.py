@@ -103,6 +103,21 @@ def test_rates_file_round_trips_into_the_plan(tmp_path: Path) -> None:
     assert hw == dataclasses.asdict(rates)
 
 
+def test_a_gpu_rates_file_from_before_the_workspace_keeps_the_default(tmp_path: Path) -> None:
+    """Files calibrate wrote before it measured cuBLAS's workspace get torch's Hopper
+    default for a GPU (not none at all), and none for a CPU."""
+    from shardwise.planner import H200
+
+    for hw, expect in ((H200, 32 << 20), (THIS_CPU, 0)):
+        d = dataclasses.asdict(hw)
+        del d["blas_workspace"]
+        (tmp_path / "r.json").write_text(json.dumps(d))
+        assert load_rates(str(tmp_path / "r.json")).blas_workspace == expect
+    d = dataclasses.asdict(dataclasses.replace(H200, blas_workspace=1 << 20))
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    assert load_rates(str(tmp_path / "r.json")).blas_workspace == 1 << 20
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

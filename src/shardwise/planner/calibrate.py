@@ -2,8 +2,9 @@
 
 Why micro-benchmarks and not a fitted step: the planner's error is judged
 against measured steps, so the rates must come from somewhere else. Each
-figure is the best of a few repeats of one kind of work: a linear layer's
-forward and backward (FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
+figure is the best of a few repeats of one kind of work (gloo's latency the
+median of sustained rounds, below): a linear layer's forward and backward
+(FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
 tiny add (the fixed cost of one operator), a view, and an add on a DTensor
 (its Python dispatch), torch's AdamW stepping host fp32 parameters (an
 offloaded optimizer, on the host's threads whatever the device), on a GPU
@@ -95,7 +96,8 @@ def linear_flops(
 def blas_workspace(device: torch.device) -> int | None:
     """Bytes cuBLAS keeps per thread that multiplies: what a first product's forward
     (this thread) and backward (autograd's thread) leave allocated, over
-    ``BLAS_THREADS``. None if this process has multiplied before (nothing is added)."""
+    ``BLAS_THREADS``. None if this process has multiplied before (its allocated bytes
+    do not grow then); the calibration keeps the default's figure."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     a = torch.randn(64, 64, device=device, requires_grad=True)

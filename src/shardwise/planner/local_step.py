@@ -11,12 +11,17 @@ torch's fake process group, which makes this process rank 0 of the world
 and completes every collective locally (its copies are the bytes a real
 collective lands here; the wire and the peers are what the timeline adds).
 What is left after the operators is the host's time, and the plan spreads
-it over them (plan.py).
+it over them (plan.py). The fake backend's local copies land each gather's
+bytes once more than the timeline's ``bytes / bandwidth`` (calibrated on a
+real gloo gather, which lands them too) accounts for: counted twice, at most
+the bandwidth term, small next to gloo's latency per tensor on the CPU rows
+measured (2026-12-02: the tiny GPT gathers about 0.2 MB a module).
 
 Only for a CPU target on a CPU (a GPU's host runs ahead of its kernels, so
 its Python is hidden there unless the step is host-bound, which the rates
-model does not claim to see), and only where one rank's real tensors fit
-here: it is what ``compute="measured"`` costs beyond timing the operators.
+model does not claim to see), and only where the whole model and one rank's
+training fit here (the model is built whole on the CPU, then sharded): it
+is what ``compute="measured"`` costs beyond timing the operators.
 """
 
 from __future__ import annotations
@@ -54,9 +59,12 @@ def local_step_seconds(
         model = build()
         if any(p.is_meta for p in model.parameters()):
             model = model.to_empty(device="cpu")
-            with torch.no_grad():  # no NaNs or denormals to slow it down
-                for p in model.parameters():
-                    p.normal_(0.0, 0.02)
+            with torch.no_grad():  # no NaNs or denormals to slow it down, no wild indices
+                for t in [*model.parameters(), *model.buffers()]:
+                    if t.is_floating_point():
+                        t.normal_(0.0, 0.02)
+                    else:
+                        t.zero_()
         apply_policy(model, policy, mesh)
         opt = make_optimizer(model, "cpu", policy.offload)
         data = input_fn(model, batch, seq)

@@ -116,8 +116,8 @@ def plan(
     machine's device (op_costs.py), which must be ``hardware.device``, and
     multiplies its time by ``slowdown`` (ranks sharing a core: ranks / cores);
     for a CPU target it also runs the rank's step for real under the fake
-    process group (local_step.py) and scales the operators' times up to it,
-    the Python between them included.
+    process group (local_step.py) and scales the operators' times to it, the
+    Python between them included.
     """
     policy = policy or Policy()
     check_world(world_size, hsdp)
@@ -143,11 +143,14 @@ def plan(
     if measured:
         ops = [e for e in sim.events if e.kind == "op"]
         # An offloaded optimizer's operators run on the host, whatever the target:
-        # timed on this machine's CPU, with this process's threads, as the median
-        # of five (the host's spread: on the H200's host the same offloaded step
-        # took 1181 and 1480 ms in two processes, 2026-12-02).
+        # at one rank, timed on this machine's CPU with this process's threads, as
+        # the median of five (the host's spread: on the H200's host the same
+        # offloaded step took 1181 and 1480 ms in two processes, 2026-12-02). With
+        # more ranks, several share a host's cores and memory: the rate stays,
+        # calibrated with every rank at once.
         costs = measure([e.call for e in ops if not e.host], hardware.device)
-        host_costs = measure([e.call for e in ops if e.host], "cpu", repeats=5, median=True)
+        host_calls = [e.call for e in ops if e.host] if world_size == 1 else []
+        host_costs = measure(host_calls, "cpu", repeats=5, median=True)
         for e in ops:
             found = host_costs if e.host else costs
             if e.call is not None and e.call.key in found.seconds:
@@ -169,7 +172,9 @@ def plan(
             )
             one_rank = not any(e.kind == "issue" for e in sim.events)  # else copies are comm
             ops_s = sum(op_seconds(e, hardware, copies=one_rank) for e in ops)
-            host_scale = max(1.0, local / ops_s) if ops_s > 0 else 1.0
+            # Down as well as up: timed one by one from Python, the smallest
+            # operators cost more than inside a step.
+            host_scale = local / ops_s if ops_s > 0 else 1.0
             how.update(local_step_ms=local * 1e3, operators_ms=ops_s * 1e3, host_scale=host_scale)
     t = replay(
         sim.events, hardware, world_size, policy.offload, sim.host_params, host_scale=host_scale

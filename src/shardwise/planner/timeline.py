@@ -93,7 +93,8 @@ def replay(
     """``host_params``: elements of the offloaded shards, whose AdamW step runs on the
     host at ``hw.host_adamw_bw`` (``ADAMW_BYTES_PER_PARAM`` each). ``host_scale``:
     every operator's time times this (a CPU's Python between them, measured). Host
-    operators timed on this machine (op_costs) keep their own times instead."""
+    operators timed on this machine (op_costs) are charged their measured times
+    in place of the AdamW rate's share."""
     host_ops = [e for e in events if e.kind == "op" and e.host]
     host_bytes = sum(e.nbytes for e in host_ops)
     measured = any(e.seconds is not None for e in host_ops)
@@ -104,7 +105,9 @@ def replay(
     # More than one rank: an offloaded gather's upload and a reduction's download
     # are timed with the collective (comm_seconds). At one rank they run on their
     # own streams (offload.py), one each way, beside compute, and the step waits
-    # for both before the optimizer (backward's end waits for the downloads).
+    # for both before the optimizer (backward's end waits for the downloads). A
+    # module's compute waiting for its own upload is not modelled: where the
+    # copies outlast the compute, the wait lands before the optimizer instead.
     one_rank = not any(e.kind == "issue" for e in events)
     streams = one_rank and hw.device == "cuda"  # a CPU copies on the rank's core
     copy_free = {True: 0.0, False: 0.0}  # to the host, to the device: when each is done

@@ -119,6 +119,12 @@ def load_rates(path: str) -> Any:
         if name in COUNTS and value != int(value):
             raise UsageError(f"--rates {path}: {name} must be a whole number, got {value!r}")
     values: dict[str, Any] = {k: int(v) if k in COUNTS else v for k, v in data.items()}
+    if values.get("device", "cuda") == "cuda" and "blas_workspace" not in values:
+        # Written before calibrate measured it: torch's default on the GPUs these
+        # files came from (Hopper), rather than no workspaces at all.
+        from shardwise.planner import H200
+
+        values["blas_workspace"] = H200.blas_workspace
     return Hardware(**values)
 
 
