@@ -76,8 +76,15 @@ def checkpoints(run: Path) -> list[str]:
 def children(pid: int) -> list[int]:
     """The worker processes a launcher started (Linux /proc)."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the launcher itself has ended
+        return found
+    for task in tasks:
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # a thread that ended between the listing and the read
+            continue
     return found
 
 

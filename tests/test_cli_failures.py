@@ -279,3 +279,20 @@ def test_bench_help_shows_defaults_without_markup(capsys) -> None:
     out = capsys.readouterr().out
     assert exit_.value.code == 0
     assert "``" not in out and "(default: 10)" in out and "(default: bench.json)" in out
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        "[../gloo/transport/tcp/pair.cc:534] Timed out waiting 20000ms for recv operation",
+        "[../gloo/transport/tcp/unbound_buffer.cc:81] Application timeout caused pair closure",
+    ],
+)
+def test_a_collective_timeout_leaves_the_line_to_the_launcher(words: str, capsys) -> None:
+    # Both of gloo's timeout messages reach a worker (which one is a race
+    # between its waits); either way the launcher, which knows which rank
+    # hung, tells it, and the waiting worker prints nothing of its own.
+    from shardwise_app.cli.failures import EXIT_PEER_TIMEOUT, report_worker_failure
+
+    assert report_worker_failure("train", RuntimeError(words), rank=0) == EXIT_PEER_TIMEOUT
+    assert capsys.readouterr().err == ""

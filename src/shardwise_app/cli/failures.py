@@ -75,9 +75,17 @@ def peer_lost(e: BaseException) -> bool:
     return any(s in str(e).lower() for s in _PEER_LOST)
 
 
+# Gloo's words for a collective that waited the process group's timeout: the
+# op that timed out says the first; any other op in flight on the same pair
+# (an async gather, a prefetch) is failed with the second, and which of the
+# two a worker's wait meets first is a race.
+_PEER_TIMEOUT = ("timed out waiting", "application timeout caused pair closure")
+
+
 def peer_timeout(e: BaseException) -> bool:
-    """A collective that waited the process group's timeout for a peer (gloo's words)."""
-    return "timed out waiting" in str(e).lower()
+    """A collective that waited the process group's timeout for a peer."""
+    text = str(e).lower()
+    return any(s in text for s in _PEER_TIMEOUT)
 
 
 def report_worker_failure(command: str, e: BaseException, rank: int) -> int:
