@@ -130,3 +130,64 @@ def test_one_gpu_copies_run_beside_compute_a_cpu_copies_on_its_core() -> None:
             assert t.step_s == pytest.approx(2.0) and t.exposed_comm_s == pytest.approx(2.0)
         else:
             assert t.step_s == pytest.approx(3.0) and t.exposed_comm_s == 0.0
+
+
+def _gloo_reduce_scatter_memory(rank: int, world: int) -> dict[str, int]:
+    """Bytes the CPU allocator holds beyond the tensors we made: while one
+    reduce-scatter is in flight, and once it is waited for (its Pending still held)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise import collectives
+
+    numel = 1 << 16
+    inp = torch.ones(world * numel)
+    out = torch.empty(numel)
+    marks: dict[str, int] = {}
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        with torch.profiler.record_function("in_flight"):
+            pending = collectives.reduce_scatter(out, inp, dist.group.WORLD, divide_by=None)
+        with torch.profiler.record_function("waited"):
+            pending.wait()
+        dist.barrier()
+    events = list(prof.profiler.kineto_results.events())
+    spans = {e.name(): e.end_ns() for e in events if e.name() in ("in_flight", "waited")}
+    live = 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        for name, end in list(spans.items()):
+            if e.start_ns() > end:
+                marks[name] = live
+                del spans[name]
+        live += e.nbytes()
+    marks.update({n: live for n in spans})
+    assert pending is not None  # held to the end: its wait alone must free gloo's buffer
+    assert torch.equal(out, torch.full((numel,), float(world)))
+    return {**marks, "input": inp.numel() * inp.element_size()}
+
+
+def test_gloo_reduce_scatter_holds_a_clone_of_its_input_until_the_wait() -> None:
+    """What the planner counts for a CPU target's reduce-scatter (staging_live): gloo
+    all-reduces a clone of the whole input, held from the issue until the runtime's
+    wait releases the work handle, whoever still holds the Pending."""
+    from dist_utils import run_distributed
+
+    for m in run_distributed(_gloo_reduce_scatter_memory, 2, timeout=120):
+        assert m["in_flight"] == m["input"], m
+        assert m["waited"] == 0, m
+
+
+def test_a_cpu_targets_reduce_scatter_carries_its_input_as_staging() -> None:
+    from shardwise.planner import H200, THIS_CPU, Policy
+    from shardwise.planner.simulate import simulate
+    from shardwise_app.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
+    for hw in (THIS_CPU, H200):
+        events = simulate(lambda: GPT(cfg), 2, Policy(), hw, 2, 32).events
+        reduces = [e for e in events if e.kind == "issue" and e.coll == "reduce_scatter"]
+        assert reduces
+        for e in reduces:
+            # The input is the group's whole gradient: group x the shard, in fp32.
+            assert e.staging == (e.group * e.numel * 4 if hw.device == "cpu" else 0), e

@@ -81,6 +81,9 @@ class Pending:
         start = tracer.now() if tracer is not None else None
         if self._work is not None:
             self._work.wait()
+            # Released at once: a backend's handle may hold buffers of its own
+            # (gloo's reduce-scatter holds a clone of the whole input).
+            self._work = None
         if tracer is not None:
             # How long compute waited for this collective: exposed communication.
             tracer.span("wait", self.label, start, tracer.now(), kind=self.kind)

@@ -166,11 +166,14 @@ def replay(
 
 
 def staging_live(events: list[Event]) -> list[int]:
-    """Per event, the bytes of gloo staging buffers live then: each from its
-    collective's issue until it is waited for. (Until it is done by the replay's
-    clock undercounted the peak with checkpointing by 5-6% on two gloo ranks,
-    2026-12-02: gloo's work is done only once every rank has issued it, and
-    the ranks drift apart.)"""
+    """Per event, the bytes of gloo's own buffers live then, each from its
+    collective's issue until it is waited for: a reduce-scatter's clone of its
+    input, which the work handle holds until the runtime releases it at the
+    wait, and an all-gather's flat buffer, which lives while gloo's thread runs
+    the gather: at most until the wait, since that thread waits for the slowest
+    rank. So this is the peak a run reaches when its ranks drift apart, which
+    the highest of several measured CPU steps reaches (the small GPT,
+    2026-12-03); a single step often stays below it."""
     extra = [0] * len(events)
     waited: dict[int, int] = {}
     for i, e in enumerate(events):

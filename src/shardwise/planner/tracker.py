@@ -289,6 +289,12 @@ class Tracker(TorchDispatchMode):
                 # gloo's thread. The issue event carries it; timeline.py knows how long.
                 outs = _plain(tree_flatten(args[0])[0])  # the outputs come first
                 self.unbound.append(self._size(sum(t.numel() * t.element_size() for t in outs)))
+            elif self.gloo_staging and "reduce_scatter" in func.__name__:
+                # gloo has no reduce-scatter of its own: it all-reduces a clone of the
+                # whole input, which its work handle holds until released (measured
+                # with the profiler's allocation events, torch 2.13).
+                ins = _plain(tree_flatten(args[1])[0])  # (output, input, ...)
+                self.unbound.append(self._size(sum(t.numel() * t.element_size() for t in ins)))
             return out
         for t in flat_out:
             self.track(t)
