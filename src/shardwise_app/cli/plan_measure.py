@@ -9,7 +9,8 @@ process per GPU on CUDA), and the peak comes from the allocator: on CUDA
 events ``torch.profiler`` records with ``profile_memory=True`` (the CPU
 allocator reports every one), summed in time order from before the model is
 built. The peak is taken over the second step (the first makes the optimizer
-state), on the CPU over ``CPU_PEAK_STEPS`` steps from the second. On the CPU the step time comes from launches that never profile (a
+state), on the CPU over ``CPU_PEAK_STEPS`` steps from the second. On the CPU
+the step time comes from launches that never profile (a
 profiled start left later steps up to 40% slower, 2026-12-02: the
 allocator's state it leaves): in each, ``WARM_STEPS`` untimed, then the
 median of ``TIMED_STEPS``, every rank starting each together, the slowest
