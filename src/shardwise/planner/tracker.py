@@ -283,18 +283,17 @@ class Tracker(TorchDispatchMode):
         if func.namespace == "c10d":
             for t in flat_in + flat_out:
                 self.track(t, COMM)
-            if self.gloo_staging and "allgather" in func.__name__:
-                # gloo gathers into a flat buffer of its own, then copies out
-                # (ProcessGroupGloo's newLikeFlat): live while the work runs on
-                # gloo's thread. The issue event carries it; timeline.py knows how long.
-                outs = _plain(tree_flatten(args[0])[0])  # the outputs come first
-                self.unbound.append(self._size(sum(t.numel() * t.element_size() for t in outs)))
-            elif self.gloo_staging and "reduce_scatter" in func.__name__:
-                # gloo has no reduce-scatter of its own: it all-reduces a clone of the
-                # whole input, which its work handle holds until released (measured
-                # with the profiler's allocation events, torch 2.13).
-                ins = _plain(tree_flatten(args[1])[0])  # (output, input, ...)
-                self.unbound.append(self._size(sum(t.numel() * t.element_size() for t in ins)))
+            # gloo's own buffers, beside the ones we pass it. An all-gather gathers
+            # into a flat buffer, then copies out (ProcessGroupGloo's newLikeFlat),
+            # sized as the outputs (the first argument); gloo has no reduce-scatter,
+            # so it all-reduces a clone of the whole input (the second), which the
+            # work handle holds until released (the profiler's allocation events,
+            # torch 2.13). The issue event carries the bytes; timeline.py knows how long.
+            name = func.__name__
+            arg = 0 if "allgather" in name else 1 if "reduce_scatter" in name else None
+            if self.gloo_staging and arg is not None:
+                held = _plain(tree_flatten(args[arg])[0])
+                self.unbound.append(self._size(sum(t.numel() * t.element_size() for t in held)))
             return out
         for t in flat_out:
             self.track(t)
