@@ -9,7 +9,7 @@ process per GPU on CUDA), and the peak comes from the allocator: on CUDA
 events ``torch.profiler`` records with ``profile_memory=True`` (the CPU
 allocator reports every one), summed in time order from before the model is
 built. The peak is taken over the second step (the first makes the optimizer
-state), on the CPU over ``CPU_PEAK_STEPS`` steps from the second. On the CPU
+state). On the CPU
 the step time comes from launches that never profile (a
 profiled start left later steps up to 40% slower, 2026-12-02: the
 allocator's state it leaves): in each, ``WARM_STEPS`` untimed, then the
@@ -31,11 +31,6 @@ from typing import Any
 from .main import Launch, UsageError, check_nproc, in_worker, init_worker, launch
 
 WARM_STEPS = 2
-# gloo's buffers live until its thread has finished the collective, which waits
-# for the slowest rank: on the CPU one step's peak moved by up to 5% between
-# launches (the small GPT, 2 ranks, 2026-12-03). A run's peak is its highest
-# step's, so the CPU's is taken over several steps.
-CPU_PEAK_STEPS = 4
 TIMED_STEPS = 7
 # A launch's steps move together (on the 2-core machine a launch's median sat up
 # to 20% from the next one's, 2026-12-02): the median of three launches' figures.
@@ -173,8 +168,10 @@ def run_worker(args: Any, build: Any) -> int:
 
 
 def _peak_of_step(step: Any, model: Any, opt: Any, data: Any, prof: Any) -> list[Any]:
-    """Every rank's peak over the second step (the optimizer state exists); on the
-    CPU, the highest over ``CPU_PEAK_STEPS`` steps from the second."""
+    """Every rank's peak over one step (the second: the optimizer state exists).
+    (The highest of 4 CPU steps was tried, 2026-12-03: at 4 gloo ranks on 2
+    loaded cores it caught a step 3.5% over the prediction's bound, where one
+    step stayed within 2% in five launches.)"""
     import torch
 
     from shardwise import collectives
@@ -183,8 +180,7 @@ def _peak_of_step(step: Any, model: Any, opt: Any, data: Any, prof: Any) -> list
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with torch.profiler.record_function("shardwise_measured_step"):
-        for _ in range(1 if prof is None else CPU_PEAK_STEPS):
-            step(model, opt, data)
+        step(model, opt, data)
     if prof is None:
         torch.cuda.synchronize()
         peak = int(torch.cuda.max_memory_allocated())
