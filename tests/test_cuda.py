@@ -313,6 +313,37 @@ def test_cuda_offloaded_peak_is_repeatable_and_predicted() -> None:
     assert abs(predicted - workspaces - own) <= 0.03 * own, mib
 
 
+def _measured_offload_plan() -> dict[str, Any]:
+    from shardwise.planner import H200, Policy, plan
+    from shardwise_app.models.gpt import GPT, GPTConfig
+
+    p = plan(
+        lambda: GPT(GPTConfig(**OFFLOAD_GPT)),  # type: ignore[arg-type]
+        1,
+        batch_size=OFFLOAD_BATCH,
+        seq_len=OFFLOAD_GPT["seq_len"],
+        policy=Policy(mp="bf16", ac="non-reentrant", offload=True),
+        hardware=H200,
+        compute="measured",
+    )
+    return p.compute
+
+
+@pytest.mark.timeout(300)
+def test_cuda_measured_offload_plan_times_the_host_operators_with_dtensor_dispatch() -> None:
+    """A GPU target's offloaded optimizer runs on the host: its operators are timed on
+    this CPU, and DTensor's dispatch, hidden behind a GPU's work elsewhere, is added
+    to each of them."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        c = pool.submit(_measured_offload_plan).result(timeout=280)
+    assert c["host_distinct_calls"] > 0, c
+    assert c["host_dtensor_dispatch_us"] > 0, c
+    assert c["host_operators_ms"] > 0, c
+
+
 def float8_worker(rank: int, world: int) -> None:
     """torchao's float8 training: shardwise gathers the fp8 weights and trains as FSDP2 does."""
     import copy

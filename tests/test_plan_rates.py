@@ -97,6 +97,17 @@ def test_flush_is_for_the_host_and_its_buffer_outgrows_every_last_level_cache(
     assert last_level_cache_bytes(tmp_path / "nothing") == 0
 
 
+def test_host_dtensor_dispatch_is_timed_under_a_group_of_its_own() -> None:
+    import torch.distributed as dist
+
+    from shardwise.planner.calibrate import host_dtensor_dispatch
+
+    assert not dist.is_initialized()
+    # DTensor's dispatch is Python: microseconds to a millisecond an operator, never free.
+    assert 1e-7 < host_dtensor_dispatch(repeats=2) < 1e-3
+    assert not dist.is_initialized()  # its one-rank fake group is gone again
+
+
 def test_replay_uses_a_measured_time_instead_of_the_roofline() -> None:
     e = Event(kind="op", live=0, phase="forward", module="", flops=1e12, nbytes=8, matmul=True)
     roofline = op_seconds(e, THIS_CPU)

@@ -218,3 +218,18 @@ def _dtensor_overhead(
 
     d = DTensor.from_local(tiny, mesh, [Replicate()])
     return max(0.0, _best(lambda: [d.add_(1.0) for _ in range(200)], repeats, sync) / 200 - op)
+
+
+def host_dtensor_dispatch(repeats: int = 5) -> float:
+    """Seconds of DTensor's dispatch per operator on this host's CPU, for an offloaded
+    optimizer: its operators run on the host on DTensors, and nothing hides their
+    Python behind a GPU's work. Under a one-rank fake group, so that it can run
+    wherever the planner does (no process group of the caller's)."""
+    from .. import collectives
+
+    tiny = torch.randn(8)
+    n = 2000
+    op = _best(lambda: [tiny + tiny for _ in range(n)], repeats, lambda: None) / n
+    with collectives.fake_world(1):
+        mesh = collectives.device_mesh("cpu", (1,))
+        return _dtensor_overhead(mesh, tiny, op, repeats, lambda: None)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from .calibrate import host_dtensor_dispatch
 from .local_step import local_step_seconds
 from .op_costs import measure
 from .policy import H200, Hardware, Policy
@@ -157,6 +158,15 @@ def plan(
             found = host_costs if e.host else costs
             if e.call is not None and e.call.key in found.seconds:
                 e.seconds = found.seconds[e.call.key] * slowdown
+        if host_costs.measured and hardware.device != "cpu":
+            # Timed on plain tensors, the host's operators miss DTensor's dispatch,
+            # which a GPU target's rates leave out as hidden behind the GPU's work:
+            # on the host nothing hides it. (A CPU target's rates carry it.)
+            dispatch = host_dtensor_dispatch()
+            for e in ops:
+                if e.host and e.dtensor and e.seconds is not None:
+                    e.seconds += dispatch
+            how["host_dtensor_dispatch_us"] = dispatch * 1e6
         how.update(
             distinct_calls=costs.measured + host_costs.measured,
             host_distinct_calls=host_costs.measured,
