@@ -53,50 +53,6 @@ def test_call_spec_rebuilds_layouts_and_measure_times_each_distinct_call_once() 
     assert set(costs.seconds) == {spec.key} and costs.seconds[spec.key] > 0
 
 
-def test_flush_writes_through_the_host_caches_before_every_timed_repeat(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from shardwise.planner import op_costs
-
-    flusher = torch.zeros(16)
-    monkeypatch.setattr(op_costs, "_flusher", lambda: flusher)
-    flushes_before: list[int] = []
-
-    def op(x: torch.Tensor) -> torch.Tensor:
-        flushes_before.append(int(flusher[0]))
-        return x + 1
-
-    spec = call_spec(op, (torch.randn(4),), {})
-    assert spec is not None
-    measure([spec], "cpu", repeats=3)
-    assert flushes_before == [0, 0, 0, 0]  # the warm call and three repeats, none flushed
-    flushes_before.clear()
-    measure([spec], "cpu", repeats=3, flush=True)
-    assert flushes_before == [0, 1, 2, 3]  # one write through the buffer before each repeat
-
-
-def test_flush_is_for_the_host_and_its_buffer_outgrows_every_last_level_cache(
-    tmp_path: Path,
-) -> None:
-    from shardwise.planner.op_costs import last_level_cache_bytes
-
-    with pytest.raises(ValueError, match="not the host"):
-        measure([], "cuda", flush=True)
-    # Two dies of 32 MiB each (every core lists its die's cache), per-core 1 MiB L2s:
-    # the last level is 64 MiB, each die counted once.
-    for cpu in range(4):
-        for index, (level, size, shared) in enumerate(
-            ((2, "1024K", str(cpu)), (3, "32768K", "0-1" if cpu < 2 else "2-3"))
-        ):
-            d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
-            d.mkdir(parents=True)
-            (d / "level").write_text(f"{level}\n")
-            (d / "size").write_text(f"{size}\n")
-            (d / "shared_cpu_list").write_text(f"{shared}\n")
-    assert last_level_cache_bytes(tmp_path) == 64 << 20
-    assert last_level_cache_bytes(tmp_path / "nothing") == 0
-
-
 def test_host_dtensor_dispatch_is_timed_under_a_group_of_its_own() -> None:
     import torch.distributed as dist
 

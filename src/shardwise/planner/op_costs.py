@@ -22,13 +22,8 @@ step of a GPT costs one block's distinct operators. A call that cannot be
 rebuilt or raises keeps the rates' estimate; ``Costs`` says how many did.
 
 What it does not see: the runtime's and autograd's Python between the
-operators (hooks, the engine). Caches are colder in a real step than in a
-repeated call: a call whose operands fit in the last-level cache finds them
-there on every repeat after the first. Where that matters, ``flush`` writes a
-buffer twice the size of this host's last-level caches before every repeat,
-so each call reads its operands from memory as a step that streams through
-all of them does (an offloaded optimizer on the host: a 0.94B model's 67 MB
-moments fit a large host cache, a 6.45B model's 268 MB do not).
+operators (hooks, the engine), and caches colder in a real step than in a
+repeated call.
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,42 +110,9 @@ def _args(call: Call, device: torch.device) -> tuple[tuple[Any, ...], dict[str, 
     return args, kwargs
 
 
-def last_level_cache_bytes(cpus: Path = Path("/sys/devices/system/cpu")) -> int:
-    """The bytes of this host's last-level caches, every instance counted once
-    (a CPU of several dies has one per die); 0 where sysfs does not say."""
-    seen: dict[str, int] = {}
-    for d in cpus.glob("cpu[0-9]*/cache/index[0-9]*"):
-        try:
-            level = int((d / "level").read_text())
-            size = (d / "size").read_text().strip()
-            shared = (d / "shared_cpu_list").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        n = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-        seen[f"{level}:{shared}"] = n
-    if not seen:
-        return 0
-    top = max(int(k.split(":")[0]) for k in seen)
-    return sum(n for k, n in seen.items() if int(k.split(":")[0]) == top)
-
-
-def _flusher() -> torch.Tensor:
-    # Twice the caches, at least 64 MiB: what one write through it leaves cached
-    # is its own tail, none of the next call's operands.
-    n = max(2 * last_level_cache_bytes(), 64 << 20)
-    return torch.zeros(n // 4)
-
-
-def _time(
-    call: Call,
-    device: torch.device,
-    repeats: int,
-    median: bool = False,
-    flush: torch.Tensor | None = None,
-) -> float:
+def _time(call: Call, device: torch.device, repeats: int, median: bool = False) -> float:
     args, kwargs = _args(call, device)
-    call.func(*args, **kwargs)  # warm: first-call work
+    call.func(*args, **kwargs)  # warm: first-call work, caches
     if device.type == "cuda":
         n = 4
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -167,8 +128,6 @@ def _time(
         return best
     times = []
     for _ in range(repeats):
-        if flush is not None:
-            flush.add_(1)
         t0 = time.perf_counter()
         call.func(*args, **kwargs)
         times.append(time.perf_counter() - t0)
@@ -176,20 +135,12 @@ def _time(
 
 
 def measure(
-    calls: list[Call | None],
-    device: str = "cpu",
-    repeats: int = 3,
-    median: bool = False,
-    flush: bool = False,
+    calls: list[Call | None], device: str = "cpu", repeats: int = 3, median: bool = False
 ) -> Costs:
     """Time every distinct call in ``calls`` on ``device`` (None entries are skipped).
     ``median``: the middle of the repeats, not the best (a host that others share,
-    where a step's operators meet the spread, not the best round). ``flush`` (a
-    CPU only): the host's caches emptied before every repeat."""
+    where a step's operators meet the spread, not the best round)."""
     dev = torch.device(device)
-    if flush and dev.type != "cpu":
-        raise ValueError(f"flush empties a host's caches; {device!r} is not the host")
-    flusher = _flusher() if flush and any(c is not None for c in calls) else None
     t0 = time.perf_counter()
     seconds: dict[tuple[Any, ...], float] = {}
     failed: set[tuple[Any, ...]] = set()
@@ -201,7 +152,7 @@ def measure(
             continue
         try:
             with torch.no_grad():
-                seconds[key] = _time(call, dev, repeats, median, flusher)
+                seconds[key] = _time(call, dev, repeats, median)
         except Exception:  # an operator that needs real values or a real context
             failed.add(key)
     return Costs(seconds, len(seconds), len(failed), time.perf_counter() - t0)

@@ -146,14 +146,14 @@ def plan(
         # An offloaded optimizer's operators run on the host, whatever the target:
         # at one rank, timed on this machine's CPU with this process's threads, as
         # the median of five (the host's spread: on the H200's host the same
-        # offloaded step took 1181 and 1480 ms in two processes, 2026-12-02), each
-        # repeat after the host's caches are emptied (the step streams through
-        # every parameter's state, so no operator finds its operands cached). With
-        # more ranks, several share a host's cores and memory: the rate stays,
+        # offloaded step took 1181 and 1480 ms in two processes, 2026-12-02). Warm
+        # caches do not flatter them: emptying the host's caches before each repeat
+        # left the 0.94B GPT's sum where it was (host_cache_probe.py, 2026-12-03).
+        # With more ranks, several share a host's cores and memory: the rate stays,
         # calibrated with every rank at once.
         costs = measure([e.call for e in ops if not e.host], hardware.device)
         host_calls = [e.call for e in ops if e.host] if world_size == 1 else []
-        host_costs = measure(host_calls, "cpu", repeats=5, median=True, flush=True)
+        host_costs = measure(host_calls, "cpu", repeats=5, median=True)
         for e in ops:
             found = host_costs if e.host else costs
             if e.call is not None and e.call.key in found.seconds:
