@@ -268,7 +268,8 @@ def offload_peak_worker(rank: int, world: int) -> dict[str, Any]:
     return {"base": base, "peaks": peaks[1:], "after": after_backward[1:], "between": between[1:]}
 
 
-def _offload_plan() -> int:
+def _offload_plan(compute: str = "rates") -> dict[str, Any]:
+    """The planner on the offloaded GPT the tests below run: its peak and how it timed."""
     from shardwise.planner import H200, Policy, plan
     from shardwise_app.models.gpt import GPT, GPTConfig
 
@@ -279,8 +280,9 @@ def _offload_plan() -> int:
         seq_len=OFFLOAD_GPT["seq_len"],
         policy=Policy(mp="bf16", ac="non-reentrant", offload=True),
         hardware=H200,
+        compute=compute,
     )
-    return p.peak_bytes
+    return {"peak_bytes": p.peak_bytes, "compute": p.compute}
 
 
 @pytest.mark.timeout(900)
@@ -297,7 +299,7 @@ def test_cuda_offloaded_peak_is_repeatable_and_predicted() -> None:
     from shardwise.planner.policy import BLAS_THREADS
 
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        predicted = pool.submit(_offload_plan).result(timeout=300)
+        predicted = pool.submit(_offload_plan).result(timeout=300)["peak_bytes"]
     runs = [run_distributed(offload_peak_worker, 1, backend=NCCL, timeout=280)[0] for _ in range(2)]
     peaks = [p for r in runs for p in r["peaks"]]
     assert len(set(peaks)) == 1, runs
@@ -313,22 +315,6 @@ def test_cuda_offloaded_peak_is_repeatable_and_predicted() -> None:
     assert abs(predicted - workspaces - own) <= 0.03 * own, mib
 
 
-def _measured_offload_plan() -> dict[str, Any]:
-    from shardwise.planner import H200, Policy, plan
-    from shardwise_app.models.gpt import GPT, GPTConfig
-
-    p = plan(
-        lambda: GPT(GPTConfig(**OFFLOAD_GPT)),  # type: ignore[arg-type]
-        1,
-        batch_size=OFFLOAD_BATCH,
-        seq_len=OFFLOAD_GPT["seq_len"],
-        policy=Policy(mp="bf16", ac="non-reentrant", offload=True),
-        hardware=H200,
-        compute="measured",
-    )
-    return p.compute
-
-
 @pytest.mark.timeout(300)
 def test_cuda_measured_offload_plan_times_the_host_operators_with_dtensor_dispatch() -> None:
     """A GPU target's offloaded optimizer runs on the host: its operators are timed on
@@ -338,7 +324,7 @@ def test_cuda_measured_offload_plan_times_the_host_operators_with_dtensor_dispat
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        c = pool.submit(_measured_offload_plan).result(timeout=280)
+        c = pool.submit(_offload_plan, "measured").result(timeout=280)["compute"]
     assert c["host_distinct_calls"] > 0, c
     assert c["host_dtensor_dispatch_us"] > 0, c
     assert c["host_operators_ms"] > 0, c
