@@ -53,15 +53,38 @@ def test_call_spec_rebuilds_layouts_and_measure_times_each_distinct_call_once() 
     assert set(costs.seconds) == {spec.key} and costs.seconds[spec.key] > 0
 
 
-def test_host_dtensor_dispatch_is_timed_under_a_group_of_its_own() -> None:
+def test_sample_layouts_keeps_all_that_fit_and_else_a_share_of_each_layout() -> None:
+    from shardwise.planner.local_step import sample_layouts
+
+    f32 = torch.float32
+    layouts = [((4, 8), f32)] * 10 + [((100,), f32)]
+    whole = 4 * 4 * (10 * 32 + 100)  # parameter, gradient, two moments, 4 bytes each
+    assert sample_layouts(layouts, whole) == (layouts, 1.0)
+    sample, share = sample_layouts(layouts, whole // 2)
+    # half of the ten matrices, and the lone vector still once: the mix stays
+    assert sorted(sample, key=str) == sorted([((4, 8), f32)] * 5 + [((100,), f32)], key=str)
+    assert share == (5 * 32 + 100) / (10 * 32 + 100)
+
+
+def test_host_optimizer_step_is_run_for_real_under_a_group_of_its_own() -> None:
+    import statistics
+
     import torch.distributed as dist
 
-    from shardwise.planner.calibrate import host_dtensor_dispatch
+    from shardwise.planner.local_step import HOST_TIMED_STEPS, host_optimizer_seconds
 
+    f32 = torch.float32
+    layouts = [((64, 32), f32)] * 8 + [((32,), f32)] * 8 + [((), f32)]
     assert not dist.is_initialized()
-    # DTensor's dispatch is Python: microseconds to a millisecond an operator, never free.
-    assert 1e-7 < host_dtensor_dispatch(repeats=2) < 1e-3
+    whole = host_optimizer_seconds(layouts)
     assert not dist.is_initialized()  # its one-rank fake group is gone again
+    assert whole.sampled == 1.0 and len(whole.steps_ms) == HOST_TIMED_STEPS
+    assert whole.seconds > 0
+    assert abs(whole.seconds - statistics.median(whole.steps_ms) / 1e3) < 1e-12
+    # Over the memory it may take, a share is stepped and its time scaled up.
+    part = host_optimizer_seconds(layouts, max_bytes=4 * 4 * (4 * 64 * 32 + 4 * 32 + 1))
+    assert part.sampled < 1.0
+    assert abs(part.seconds - statistics.median(part.steps_ms) / 1e3 / part.sampled) < 1e-12
 
 
 def test_replay_uses_a_measured_time_instead_of_the_roofline() -> None:

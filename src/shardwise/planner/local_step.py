@@ -17,6 +17,10 @@ real gloo gather, which lands them too) accounts for: counted twice, at most
 the bandwidth term, small next to gloo's latency per tensor on the CPU rows
 measured (2026-12-02: the tiny GPT gathers about 0.2 MB a module).
 
+``host_optimizer_seconds`` does the same for an offloaded optimizer at one
+rank, whatever the target: the host steps this rank's shards, and the only
+honest figure for that is the step itself (below).
+
 Only for a CPU target on a CPU (a GPU's host runs ahead of its kernels, so
 its Python is hidden there unless the step is host-bound, which the rates
 model does not claim to see), and only where the whole model and one rank's
@@ -26,9 +30,11 @@ is what ``compute="measured"`` costs beyond timing the operators.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -40,6 +46,10 @@ from .setup import InputFn, LossFn, apply_policy, make_optimizer
 
 WARM_STEPS = 2  # the optimizer state, the recorded orders, caches
 TIMED_STEPS = 9
+HOST_TIMED_STEPS = 5  # after one that makes AdamW's state
+HOST_MAX_BYTES = 32 * 2**30  # what stepping the host's optimizer for real may take here
+
+Layout = tuple[tuple[int, ...], torch.dtype]
 
 
 def local_step_seconds(
@@ -82,3 +92,89 @@ def local_step_seconds(
             step()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """An offloaded optimizer's step, timed for real on this host."""
+
+    seconds: float  # one step over every layout (the sample's median, scaled up)
+    sampled: float  # the share of the elements stepped for real (1.0: all of them)
+    steps_ms: list[float]  # the sample's timed steps
+    threads: int
+
+
+def sample_layouts(layouts: list[Layout], max_bytes: int) -> tuple[list[Layout], float]:
+    """The layouts to step for real, and their share of the elements. All of them when
+    a parameter, its gradient and AdamW's two moments of each fit in ``max_bytes``;
+    else the same share of every distinct layout (at least one each), so that the
+    mix of large and small tensors, and with it the operators per byte, stays."""
+
+    def nbytes(ls: list[Layout]) -> int:
+        return sum(4 * math.prod(shape) * dtype.itemsize for shape, dtype in ls)
+
+    def elements(ls: list[Layout]) -> int:
+        return sum(math.prod(shape) for shape, _ in ls)
+
+    total = nbytes(layouts)
+    if total <= max_bytes:
+        return list(layouts), 1.0
+    share = max_bytes / total
+    counts: dict[Layout, int] = {}
+    for layout in layouts:
+        counts[layout] = counts.get(layout, 0) + 1
+    sample = [lay for lay, n in counts.items() for _ in range(max(1, int(n * share)))]
+    return sample, elements(sample) / max(elements(layouts), 1)
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def host_optimizer_seconds(layouts: list[Layout], max_bytes: int | None = None) -> HostStep:
+    """The offloaded optimizer's step over this rank's shards (``layouts``), run for real
+    on this host: torch's for-loop AdamW, as the offloaded run makes it, on DTensors
+    under a one-rank fake group, so DTensor's dispatch is in it.
+
+    Why the whole step and not its operators one by one (op_costs.py): each distinct
+    operator is timed in a burst of well under a second, and the host's speed moves
+    between bursts; summed, the 0.94B GPT's host operators moved by 25% between two
+    passes in one process where the whole step moved by 3% (2026-12-03, the H200's
+    host, docs/bench/probes/host_cache_probe.py). A step averages as the step does.
+    Where this rank's shards, their gradients and two moments would take more than
+    ``max_bytes`` (default: 32 GiB or a quarter of the memory free here), a share of
+    each layout is stepped and the time scaled by the elements."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    cap = max_bytes if max_bytes is not None else min(HOST_MAX_BYTES, _available_bytes() // 4)
+    sample, share = sample_layouts(layouts, cap)
+    with collectives.fake_world(1):
+        mesh = collectives.device_mesh("cpu", (1,))
+        params = nn.ParameterList()
+        for shape, dtype in sample:
+            # ones and a small gradient: no denormals, no NaNs in the square root
+            on = [Shard(0) if shape else Replicate()]
+            p = nn.Parameter(DTensor.from_local(torch.ones(shape, dtype=dtype), mesh, on))
+            p.grad = DTensor.from_local(torch.full(shape, 1e-3, dtype=dtype), mesh, on)
+            params.append(p)
+        opt = make_optimizer(params, "cpu", offload=True)
+        opt.step()
+        times = []
+        for _ in range(HOST_TIMED_STEPS):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        del opt, params
+    return HostStep(
+        seconds=statistics.median(times) / share,
+        sampled=share,
+        steps_ms=[1e3 * t for t in times],
+        threads=torch.get_num_threads(),
+    )

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .calibrate import host_dtensor_dispatch
-from .local_step import local_step_seconds
+from .local_step import host_optimizer_seconds, local_step_seconds
 from .op_costs import measure
 from .policy import H200, Hardware, Policy
 from .setup import InputFn, LossFn, lm_loss, token_batch
@@ -145,12 +144,11 @@ def plan(
         ops = [e for e in sim.events if e.kind == "op"]
         # An offloaded optimizer's operators run on the host, whatever the target:
         # at one rank, timed on this machine's CPU with this process's threads, as
-        # the median of five (the host's spread: on the H200's host the same
-        # offloaded step took 1181 and 1480 ms in two processes, 2026-12-02). Warm
-        # caches do not flatter them: emptying the host's caches before each repeat
-        # left the 0.94B GPT's sum where it was (host_cache_probe.py, 2026-12-03).
-        # With more ranks, several share a host's cores and memory: the rate stays,
-        # calibrated with every rank at once.
+        # the median of five, and for a GPU target then scaled to the whole step
+        # run for real (below). Warm caches do not flatter them: emptying the
+        # host's caches before each repeat left the 0.94B GPT's sum where it was
+        # (host_cache_probe.py, 2026-12-03). With more ranks, several share a
+        # host's cores and memory: the rate stays, calibrated with every rank at once.
         costs = measure([e.call for e in ops if not e.host], hardware.device)
         host_calls = [e.call for e in ops if e.host] if world_size == 1 else []
         host_costs = measure(host_calls, "cpu", repeats=5, median=True)
@@ -159,14 +157,24 @@ def plan(
             if e.call is not None and e.call.key in found.seconds:
                 e.seconds = found.seconds[e.call.key] * slowdown
         if host_costs.measured and hardware.device != "cpu":
-            # Timed on plain tensors, the host's operators miss DTensor's dispatch,
-            # which a GPU target's rates leave out as hidden behind the GPU's work:
-            # on the host nothing hides it. (A CPU target's rates carry it.)
-            dispatch = host_dtensor_dispatch()
+            # Timed one by one, the host's operators sum to the host's speed in each
+            # operator's burst, and miss DTensor's dispatch (a GPU target's rates hide
+            # it behind the GPU's work; on the host nothing does). The optimizer's
+            # whole step, run for real, has both right; the operators keep their
+            # shares of it, and one that could not be timed alone is inside it.
+            host = host_optimizer_seconds(sim.host_layouts)
+            one_by_one = sum(e.seconds or 0.0 for e in ops if e.host)
+            scale = host.seconds / one_by_one if one_by_one > 0 else 1.0
             for e in ops:
-                if e.host and e.dtensor and e.seconds is not None:
-                    e.seconds += dispatch
-            how["host_dtensor_dispatch_us"] = dispatch * 1e6
+                if e.host:
+                    e.seconds = (e.seconds or 0.0) * scale
+            how.update(
+                host_step_ms=host.seconds * 1e3,
+                host_step_sampled=host.sampled,
+                host_steps_ms=host.steps_ms,
+                host_threads=host.threads,
+                host_operators_one_by_one_ms=one_by_one * 1e3,
+            )
         how.update(
             distinct_calls=costs.measured + host_costs.measured,
             host_distinct_calls=host_costs.measured,

@@ -51,6 +51,7 @@ class Simulation:
     host_bytes: dict[str, int]
     host_peak_bytes: int = 0  # offload: the most host memory live in the recorded step
     host_params: int = 0  # offload: elements of this rank's shards (stepped on the host)
+    host_layouts: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     n_params: int = 0
 
@@ -144,10 +145,12 @@ def simulate(
             n_params = sum(p.numel() for p in params)
             opt = make_optimizer(model, hw.device, offload)
             host_params = 0
+            host_layouts: list[tuple[tuple[int, ...], torch.dtype]] = []
             if offload:
                 local = [getattr(p, "_local_tensor", p) for p in params]
                 tracker.mark_host(storages_of(local))
                 host_params = sum(t.numel() for t in local)
+                host_layouts = [(tuple(t.shape), t.dtype) for t in local]
             handles = _label_modules(model, blocks, tracker)
 
             def grads_to_host() -> None:
@@ -244,6 +247,7 @@ def simulate(
         host_bytes=host,
         host_peak_bytes=host_peak,
         host_params=host_params,
+        host_layouts=host_layouts,
         collectives={"whole_bytes": whole, "bytes_per_rank": moved},
         n_params=n_params,
     )
