@@ -190,3 +190,40 @@ def test_a_cpu_targets_reduce_scatter_carries_its_input_as_staging() -> None:
         for e in reduces:
             # The input is the group's whole gradient: group x the shard, in fp32.
             assert e.staging == (e.group * e.numel * 4 if hw.device == "cpu" else 0), e
+
+
+def test_gloo_ranks_in_step_free_a_gathers_buffer_as_it_runs_and_a_clone_at_its_wait() -> None:
+    """The two ends of a CPU target's peak (staging_live): ranks that drift apart hold
+    each gloo buffer from the issue to the wait; ranks in step free a gather's flat
+    buffer as soon as it has run, while a reduce-scatter's clone stays to the wait
+    either way (the work handle holds it)."""
+    from shardwise.planner.timeline import staging_live
+    from shardwise.planner.tracker import Event
+
+    def ev(kind: str, key: int = 0, coll: str = "", staging: int = 0) -> Event:
+        return Event(kind, 0, "forward", "", coll=coll, key=key, staging=staging)
+
+    events = [
+        ev("issue", 1, "all_gather", 100),
+        ev("op"),
+        ev("op"),
+        ev("wait", 1),
+        ev("issue", 2, "reduce_scatter", 50),
+        ev("op"),
+        ev("wait", 2),
+    ]
+    assert staging_live(events) == [100, 100, 100, 0, 50, 50, 0]
+    assert staging_live(events, in_step=True) == [100, 0, 0, 0, 50, 50, 0]
+
+
+def test_a_cpu_targets_plan_gives_the_peak_of_ranks_in_step_below_the_drifting_one() -> None:
+    from shardwise.planner import H200, THIS_CPU, Policy, plan
+    from shardwise_app.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
+    policy = Policy(ac="non-reentrant")  # a gather prefetched before a recomputation
+    cpu = plan(lambda: GPT(cfg), 2, batch_size=2, seq_len=32, policy=policy, hardware=THIS_CPU)
+    assert cpu.peak_bytes_in_step < cpu.peak_bytes
+    assert cpu.as_dict()["peak_bytes_in_step"] == cpu.peak_bytes_in_step
+    gpu = plan(lambda: GPT(cfg), 2, batch_size=2, seq_len=32, policy=policy, hardware=H200)
+    assert gpu.peak_bytes_in_step == gpu.peak_bytes  # NCCL: no buffers of its own

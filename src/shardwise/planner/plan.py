@@ -43,6 +43,10 @@ class Plan:
     hardware: Hardware
     n_params: int
     peak_bytes: int  # device bytes, allocator rounding included
+    # The same with gloo's ranks in step, its gathers' buffers freed as they finish
+    # (timeline.staging_live): a CPU target's measured peak lies between the two by
+    # the ranks' timing. Equal to peak_bytes elsewhere.
+    peak_bytes_in_step: int
     peak_phase: str  # "forward" | "backward" | "optimizer"
     peak_module: str
     peak_by_kind: dict[str, int]
@@ -69,6 +73,7 @@ class Plan:
             "n_params": self.n_params,
             "peak_bytes": self.peak_bytes,
             "peak_gib": self.peak_bytes / GIB,
+            "peak_bytes_in_step": self.peak_bytes_in_step,
             "peak_where": {"phase": self.peak_phase, "module": self.peak_module},
             "peak_by_kind": self.peak_by_kind,
             "host_bytes": self.host_bytes,
@@ -209,6 +214,7 @@ def plan(
         hardware=hardware,
         n_params=sim.n_params,
         peak_bytes=sim.peak_bytes,
+        peak_bytes_in_step=sim.peak_bytes_in_step,
         peak_phase=sim.peak_phase,
         peak_module=sim.peak_module,
         peak_by_kind=sim.by_kind,

@@ -165,15 +165,18 @@ def replay(
     )
 
 
-def staging_live(events: list[Event]) -> list[int]:
-    """Per event, the bytes of gloo's own buffers live then, each from its
-    collective's issue until it is waited for: a reduce-scatter's clone of its
-    input, which the work handle holds until the runtime releases it at the
-    wait, and an all-gather's flat buffer, which lives while gloo's thread runs
-    the gather: at most until the wait, since that thread waits for the slowest
-    rank. So this is the peak of ranks that drift apart: ranks that keep
-    together free a gather's buffer sooner and stay under it (the checkpointed
-    small GPT on 2 gloo ranks by 5.5% in most launches, 2026-12-03)."""
+def staging_live(events: list[Event], in_step: bool = False) -> list[int]:
+    """Per event, the bytes of gloo's own buffers live then: a reduce-scatter's
+    clone of its input, which the work handle holds from the issue until the
+    runtime releases it at the wait, and an all-gather's flat buffer, which
+    lives while gloo's thread runs the gather. That thread waits for the
+    slowest rank, so the buffer lives at most until the wait (ranks that drift
+    apart: the default) and at least while the gather runs once every rank has
+    issued it (``in_step``: ranks that keep together, whose gathers finish
+    long before the compute between issue and wait does). Which one a launch
+    sees is its ranks' timing: the checkpointed small GPT on 2 gloo ranks
+    peaked at the first in six launches and at the second in two
+    (2026-12-03)."""
     extra = [0] * len(events)
     waited: dict[int, int] = {}
     for i, e in enumerate(events):
@@ -182,6 +185,9 @@ def staging_live(events: list[Event]) -> list[int]:
     for i, e in enumerate(events):
         if e.kind != "issue" or not e.staging:
             continue
-        for j in range(i, max(i + 1, waited.get(e.key, len(events)))):
+        until = waited.get(e.key, len(events))
+        if in_step and e.coll == "all_gather":
+            until = i + 1
+        for j in range(i, max(i + 1, until)):
             extra[j] += e.staging
     return extra
