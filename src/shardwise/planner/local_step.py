@@ -17,15 +17,15 @@ real gloo gather, which lands them too) accounts for: counted twice, at most
 the bandwidth term, small next to gloo's latency per tensor on the CPU rows
 measured (2026-12-02: the tiny GPT gathers about 0.2 MB a module).
 
-``host_optimizer_seconds`` does the same for an offloaded optimizer at one
-rank, whatever the target: the host steps this rank's shards, and the only
-honest figure for that is the step itself (below).
-
 Only for a CPU target on a CPU (a GPU's host runs ahead of its kernels, so
 its Python is hidden there unless the step is host-bound, which the rates
 model does not claim to see), and only where the whole model and one rank's
 training fit here (the model is built whole on the CPU, then sharded): it
 is what ``compute="measured"`` costs beyond timing the operators.
+
+``host_optimizer_seconds``, by contrast, serves any target: an offloaded
+optimizer at one rank steps this rank's shards on the host whatever the
+device, and the honest figure for that is the step itself, run here.
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ def host_optimizer_seconds(layouts: list[Layout], max_bytes: int | None = None) 
     operator is timed in a burst of well under a second, and the host's speed moves
     between bursts; summed, the 0.94B GPT's host operators moved by 25% between two
     passes in one process where the whole step moved by 3% (2026-12-03, the H200's
-    host, docs/bench/probes/host_cache_probe.py). A step averages as the step does.
+    host, docs/bench/probes/host_cache_probe.py). Timed whole, it averages the host's
+    speed as a real step does.
     Where this rank's shards, their gradients and two moments would take more than
     ``max_bytes`` (default: 32 GiB or a quarter of the memory free here), a share of
     each layout is stepped and the time scaled by the elements."""

@@ -42,11 +42,13 @@ class Plan:
     policy: Policy
     hardware: Hardware
     n_params: int
-    peak_bytes: int  # device bytes, allocator rounding included
-    # The same with gloo's ranks in step, its gathers' buffers freed as they finish
-    # (timeline.staging_live): a CPU target's measured peak lies between the two by
-    # the ranks' timing. Equal to peak_bytes elsewhere.
-    peak_bytes_in_step: int
+    # Device bytes, allocator rounding included. On gloo (a CPU target) with the
+    # ranks in step, each gather's buffer freed as it finishes; ranks that drift
+    # apart hold those buffers to the wait and reach ``peak_bytes_drifting``
+    # (timeline.staging_live). A launch lies between the two by its ranks' timing,
+    # mostly at the first (2026-12-03, docs/scaling.md). Equal elsewhere.
+    peak_bytes: int
+    peak_bytes_drifting: int
     peak_phase: str  # "forward" | "backward" | "optimizer"
     peak_module: str
     peak_by_kind: dict[str, int]
@@ -73,7 +75,7 @@ class Plan:
             "n_params": self.n_params,
             "peak_bytes": self.peak_bytes,
             "peak_gib": self.peak_bytes / GIB,
-            "peak_bytes_in_step": self.peak_bytes_in_step,
+            "peak_bytes_drifting": self.peak_bytes_drifting,
             "peak_where": {"phase": self.peak_phase, "module": self.peak_module},
             "peak_by_kind": self.peak_by_kind,
             "host_bytes": self.host_bytes,
@@ -122,7 +124,8 @@ def plan(
     multiplies its time by ``slowdown`` (ranks sharing a core: ranks / cores);
     for a CPU target it also runs the rank's step for real under the fake
     process group (local_step.py) and scales the operators' times to it, the
-    Python between them included.
+    Python between them included; for a GPU target with offload at one rank it
+    runs the host's optimizer step for real and charges that (local_step.py).
     """
     policy = policy or Policy()
     check_world(world_size, hsdp)
@@ -214,7 +217,7 @@ def plan(
         hardware=hardware,
         n_params=sim.n_params,
         peak_bytes=sim.peak_bytes,
-        peak_bytes_in_step=sim.peak_bytes_in_step,
+        peak_bytes_drifting=sim.peak_bytes_drifting,
         peak_phase=sim.peak_phase,
         peak_module=sim.peak_module,
         peak_by_kind=sim.by_kind,

@@ -45,7 +45,7 @@ class Simulation:
     events: list[Event]
     peak_bytes: int
     peak_index: int
-    peak_bytes_in_step: int  # gloo ranks that keep together (timeline.staging_live)
+    peak_bytes_drifting: int  # gloo ranks that drift apart (timeline.staging_live)
     peak_phase: str
     peak_module: str
     by_kind: dict[str, int]
@@ -190,7 +190,7 @@ def simulate(
             host: dict[str, int] = {}
             stop_at = -1
             host_peak = 0
-            peak_in_step = 0
+            peak_drifting = 0
             # Made in the first step's forward and backward, live through every later one.
             workspaces = hw.blas_workspace * BLAS_THREADS if hw.device == "cuda" else 0
             counting = False
@@ -225,12 +225,14 @@ def simulate(
                     if recording:
                         assert tracker.events is not None
                         events = tracker.events
-                        staging = staging_live(events)
+                        # gloo's buffers as ranks in step hold them: what launches
+                        # mostly measured; ranks drifting apart hold more (timeline.py).
+                        staging = staging_live(events, in_step=True)
                         for e, extra in zip(events, staging):
                             e.live += extra + workspaces
                         peak_index = max(range(len(events)), key=lambda i: events[i].live)
-                        fewer = [a - b for a, b in zip(staging, staging_live(events, True))]
-                        peak_in_step = max(e.live - d for e, d in zip(events, fewer))
+                        more = [a - b for a, b in zip(staging_live(events), staging)]
+                        peak_drifting = max(e.live + d for e, d in zip(events, more))
                         stop_at = peak_index
                         host_peak = tracker.host_peak
                         tracker.staging_now = staging[peak_index]
@@ -245,7 +247,7 @@ def simulate(
         events=events,
         peak_bytes=at.live,
         peak_index=peak_index,
-        peak_bytes_in_step=peak_in_step,
+        peak_bytes_drifting=peak_drifting,
         peak_phase=at.phase,
         peak_module=at.module,
         by_kind=by_kind,

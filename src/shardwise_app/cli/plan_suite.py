@@ -161,8 +161,8 @@ def _summary(d: dict[str, Any]) -> dict[str, Any]:
         "predicted_peak_bytes": d["peak_bytes"],
         "measured_peak_bytes": peak,
         "peak_error_pct": 100.0 * (d["peak_bytes"] - peak) / peak,
-        "predicted_peak_in_step_bytes": d["peak_bytes_in_step"],
-        "peak_in_step_error_pct": 100.0 * (d["peak_bytes_in_step"] - peak) / peak,
+        "predicted_peak_drifting_bytes": d["peak_bytes_drifting"],
+        "peak_drifting_error_pct": 100.0 * (d["peak_bytes_drifting"] - peak) / peak,
         "predicted_step_ms": d["step_ms"],
         "measured_step_ms": m["step_ms"],
         "step_error_pct": 100.0 * (d["step_ms"] - m["step_ms"]) / m["step_ms"],
@@ -220,24 +220,24 @@ def _line(r: dict[str, Any]) -> str:
         return f"{r['argv']}: failed: {r['failed']}"
     if "measured_peak_bytes" not in r:
         return f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**30:.2f} GiB, step {r['predicted_step_ms']:.0f} ms"
-    in_step = ""
+    drifting = ""
     if (
-        r.get("predicted_peak_in_step_bytes", r["predicted_peak_bytes"])
+        r.get("predicted_peak_drifting_bytes", r["predicted_peak_bytes"])
         != r["predicted_peak_bytes"]
     ):
-        in_step = f"; ranks in step {r['peak_in_step_error_pct']:+.1f}%"
+        drifting = f"; ranks drifting {r['peak_drifting_error_pct']:+.1f}%"
     return (
         f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**20:.1f} vs "
-        f"{r['measured_peak_bytes'] / 2**20:.1f} MiB ({r['peak_error_pct']:+.1f}%{in_step}), step "
+        f"{r['measured_peak_bytes'] / 2**20:.1f} MiB ({r['peak_error_pct']:+.1f}%{drifting}), step "
         f"{r['predicted_step_ms']:.1f} vs {r['measured_step_ms']:.1f} ms ({r['step_error_pct']:+.1f}%)"
     )
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The suite's table. On gloo a row's peak has two predictions, ranks drifting apart
-    and ranks in step (Plan.peak_bytes_in_step), each with its error."""
+    and ranks drifting apart (Plan.peak_bytes_drifting), each with its error."""
     gloo = any(r.get("device") == "cpu" for r in rows)
-    extra = (" ranks in step MiB | error |", " ---: | ---: |") if gloo else ("", "")
+    extra = (" ranks drifting MiB | error |", " ---: | ---: |") if gloo else ("", "")
     lines = [
         "| configuration | peak predicted MiB | measured MiB | error |" + extra[0]
         + " step predicted ms | measured ms | error |",
@@ -247,14 +247,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         if "failed" in r:
             lines.append(f"| `{r['argv']}` | failed: {r['failed']} |" + " |" * (7 if gloo else 5))
             continue
-        in_step = (
-            f" {r['predicted_peak_in_step_bytes'] / 2**20:.2f} | {r['peak_in_step_error_pct']:+.1f}% |"
+        drifting = (
+            f" {r['predicted_peak_drifting_bytes'] / 2**20:.2f} | {r['peak_drifting_error_pct']:+.1f}% |"
             if gloo
             else ""
         )
         lines.append(
             f"| `{r['argv']}` | {r['predicted_peak_bytes'] / 2**20:.2f} | "
-            f"{r['measured_peak_bytes'] / 2**20:.2f} | {r['peak_error_pct']:+.1f}% |{in_step} "
+            f"{r['measured_peak_bytes'] / 2**20:.2f} | {r['peak_error_pct']:+.1f}% |{drifting} "
             f"{r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} | {r['step_error_pct']:+.1f}% |"
         )
     return "\n".join(lines)
