@@ -176,8 +176,8 @@ def staging_live(events: list[Event], in_step: bool = False) -> list[int]:
     long before the compute between issue and wait does). Which one a launch
     sees is its ranks' timing: the checkpointed small GPT on 2 gloo ranks
     peaked at the in-step figure in six launches and at the drifting one in
-    two; over three invocations of the CPU suite the in-step figure was within
-    3% on 30 of 36 rows, the drifting one on 22 (2026-12-03)."""
+    two; over four invocations of the CPU suite the in-step figure was within
+    3% on 42 of 48 rows, the drifting one on 29 (2026-12-03, docs/scaling.md)."""
     extra = [0] * len(events)
     waited: dict[int, int] = {}
     for i, e in enumerate(events):
