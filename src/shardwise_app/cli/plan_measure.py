@@ -47,6 +47,7 @@ def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict
         out = Path(tmp) / "measured.json"
         measured: dict[str, Any] = {}
         launches: list[float] = []
+        per_rank: list[list[float]] = []  # each launch's ranks' medians
         # On a GPU nothing is profiled: one launch measures both. The workers run
         # where init_worker puts them (a GPU if there is one), whatever the target.
         import torch
@@ -62,8 +63,12 @@ def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict
             out.unlink()
             if timing != "peak":
                 launches.append(measured["step_ms"])
+                per_rank.append(measured["step_ms_per_rank"])
         measured["step_ms_per_launch"] = launches
         measured["step_ms"] = statistics.median(launches)
+        # every launch's, not the last one's (its steps_ms stay the last launch's)
+        measured["step_ms_per_rank_per_launch"] = per_rank
+        measured["step_ms_per_rank"] = [statistics.median(r) for r in zip(*per_rank)]
     print_comparison(predicted, measured)
     return measured
 
