@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from .. import collectives
 from ..api import hsdp_mesh
+from .local_step import Layout
 from .policy import BLAS_THREADS, Hardware, Policy
 from .setup import InputFn, LossFn, apply_policy, lm_loss, make_optimizer, token_batch
 from .timeline import staging_live
@@ -52,7 +53,7 @@ class Simulation:
     host_bytes: dict[str, int]
     host_peak_bytes: int = 0  # offload: the most host memory live in the recorded step
     host_params: int = 0  # offload: elements of this rank's shards (stepped on the host)
-    host_layouts: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    host_layouts: list[Layout] = field(default_factory=list)  # offload: this rank's shards
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     n_params: int = 0
 
@@ -146,7 +147,7 @@ def simulate(
             n_params = sum(p.numel() for p in params)
             opt = make_optimizer(model, hw.device, offload)
             host_params = 0
-            host_layouts: list[tuple[tuple[int, ...], torch.dtype]] = []
+            host_layouts: list[Layout] = []
             if offload:
                 local = [getattr(p, "_local_tensor", p) for p in params]
                 tracker.mark_host(storages_of(local))
