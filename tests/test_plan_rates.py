@@ -66,18 +66,33 @@ def test_sample_layouts_keeps_all_that_fit_and_else_a_share_of_each_layout() -> 
     assert share == (5 * 32 + 100) / (10 * 32 + 100)
 
 
-def test_host_optimizer_step_is_run_for_real_under_a_group_of_its_own() -> None:
+def test_host_optimizer_step_is_run_for_real_under_a_group_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import statistics
 
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
+    from shardwise.planner import local_step
     from shardwise.planner.local_step import HOST_TIMED_STEPS, host_optimizer_seconds
 
+    stepped: list[torch.Tensor] = []
+
+    def spy(model: torch.nn.Module, device: str, offload: bool = False) -> torch.optim.Optimizer:
+        stepped.extend(model.parameters())
+        return make_optimizer(model, device, offload)
+
+    make_optimizer = local_step.make_optimizer
+    monkeypatch.setattr(local_step, "make_optimizer", spy)
     f32 = torch.float32
     layouts = [((64, 32), f32)] * 8 + [((32,), f32)] * 8 + [((), f32)]
     assert not dist.is_initialized()
     whole = host_optimizer_seconds(layouts)
     assert not dist.is_initialized()  # its one-rank fake group is gone again
+    # the offloaded run's optimizer on DTensors of exactly these layouts: dispatch included
+    assert [(tuple(p.shape), p.dtype) for p in stepped] == layouts
+    assert all(isinstance(p, DTensor) and p.grad is not None for p in stepped)
     assert whole.sampled == 1.0 and len(whole.steps_ms) == HOST_TIMED_STEPS
     assert whole.seconds > 0
     assert abs(whole.seconds - statistics.median(whole.steps_ms) / 1e3) < 1e-12

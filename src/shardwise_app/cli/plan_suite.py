@@ -234,8 +234,8 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The suite's table. On gloo a row's peak has two predictions, ranks drifting apart
-    and ranks drifting apart (Plan.peak_bytes_drifting), each with its error."""
+    """The suite's table. On gloo a row's peak has two predictions, ranks in step (the
+    plan's peak) and ranks drifting apart (Plan.peak_bytes_drifting), each with its error."""
     gloo = any(r.get("device") == "cpu" for r in rows)
     extra = (" ranks drifting MiB | error |", " ---: | ---: |") if gloo else ("", "")
     lines = [
