@@ -88,14 +88,20 @@ def local_step_seconds(
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        for _ in range(WARM_STEPS):
-            step()
-        times = []
-        for _ in range(TIMED_STEPS):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        times = _step_times(step, WARM_STEPS, TIMED_STEPS)
     return statistics.median(times)
+
+
+def _step_times(step: Callable[[], object], warm: int, timed: int) -> list[float]:
+    """Seconds of each of ``timed`` calls of ``step``, after ``warm`` untimed ones."""
+    for _ in range(warm):
+        step()
+    times = []
+    for _ in range(timed):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 @dataclass(frozen=True)
@@ -170,13 +176,7 @@ def host_optimizer_seconds(layouts: list[Layout], max_bytes: int | None = None) 
             p.grad = DTensor.from_local(torch.full(shape, 1e-3, dtype=dtype), mesh, on)
             params.append(p)
         opt = make_optimizer(params, "cpu", offload=True)
-        for _ in range(HOST_WARM_STEPS):
-            opt.step()
-        times = []
-        for _ in range(HOST_TIMED_STEPS):
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
+        times = _step_times(opt.step, HOST_WARM_STEPS, HOST_TIMED_STEPS)
         del opt, params
     return HostStep(
         seconds=statistics.median(times) / share,

@@ -10,6 +10,7 @@ every rank's at most.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .local_step import host_optimizer_seconds, local_step_seconds
+from .local_step import HostStep, Layout, host_optimizer_seconds, local_step_seconds
 from .op_costs import measure
 from .policy import H200, Hardware, Policy
 from .setup import InputFn, LossFn, lm_loss, token_batch
@@ -85,6 +86,15 @@ class Plan:
             "time": self.time.as_dict(),
             "compute": self.compute,
         }
+
+
+@functools.lru_cache(maxsize=2)
+def _host_step(layouts: tuple[Layout, ...]) -> HostStep:
+    """The host's optimizer step over these shards, timed once a process: a budget
+    search plans every offloaded candidate on the same shards (their layouts do not
+    depend on checkpointing, resharding or prefetch), and each timing costs the
+    shards' state in host memory and nine steps."""
+    return host_optimizer_seconds(list(layouts))
 
 
 def _curve(
@@ -170,7 +180,7 @@ def plan(
             # it behind the GPU's work; on the host nothing does). The optimizer's
             # whole step, run for real, has both right; the operators keep their
             # shares of it, and one that could not be timed alone is inside it.
-            host = host_optimizer_seconds(sim.host_layouts)
+            host = _host_step(tuple(sim.host_layouts))
             one_by_one = sum(e.seconds or 0.0 for e in ops if e.host)
             scale = host.seconds / one_by_one if one_by_one > 0 else 1.0
             for e in ops:

@@ -221,10 +221,7 @@ def _line(r: dict[str, Any]) -> str:
     if "measured_peak_bytes" not in r:
         return f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**30:.2f} GiB, step {r['predicted_step_ms']:.0f} ms"
     drifting = ""
-    if (
-        r.get("predicted_peak_drifting_bytes", r["predicted_peak_bytes"])
-        != r["predicted_peak_bytes"]
-    ):
+    if r["predicted_peak_drifting_bytes"] != r["predicted_peak_bytes"]:
         drifting = f"; ranks drifting {r['peak_drifting_error_pct']:+.1f}%"
     return (
         f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**20:.1f} vs "
