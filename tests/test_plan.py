@@ -280,3 +280,39 @@ def test_offloaded_peak_counts_the_held_gradient_and_the_upload_copy() -> None:
         out = pool.submit(_offload_copies_plan).result(timeout=200)
     assert out["phase"] == "backward", out
     assert out["kinds"].get("comm_buffers") == 2 * out["block"], out
+
+
+def test_suite_writes_its_json_after_every_row(tmp_path: Path, monkeypatch: Any) -> None:
+    """A suite cut short (the GPU machine's limit on one command) keeps the rows it had."""
+    from types import SimpleNamespace
+
+    from shardwise_app.cli import plan_suite
+
+    rows = [["--model", "tiny", "--world-size", str(w), "--hsdp", "1"] for w in (8, 64)]
+    monkeypatch.setitem(plan_suite.SUITES, "scaling", rows)
+    calls = []
+
+    def run(cmd: list[str], **_: Any) -> SimpleNamespace:
+        calls.append(cmd)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second configuration never finishes
+        prediction = {
+            "peak_bytes": 2**30,
+            "peak_where": {"phase": "backward", "module": "blocks.0"},
+            "peak_by_kind": {"grads": 2**29},
+            "step_ms": 12.5,
+            "time": {"exposed_comm_ms": 1.0},
+            "collectives": {"bytes_per_rank": {"all_gather": 2**30}},
+        }
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(prediction))
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(plan_suite.subprocess, "run", run)
+    out = tmp_path / "suite.json"
+    with pytest.raises(KeyboardInterrupt):
+        plan_suite.run_suite("scaling", str(out))
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False
+    assert [r["argv"] for r in doc["rows"]] == [" ".join(rows[0])]
+    assert doc["rows"][0]["predicted_step_ms"] == 12.5
+    assert "| tiny | 8 | FSDP | 1.00 |" in out.with_suffix(".md").read_text()

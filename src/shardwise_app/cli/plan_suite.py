@@ -111,13 +111,27 @@ def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -
                 row["failed"] = tail[0][:200]
             rows.append(row)
             print(_line(row), flush=True)
-    table = markdown(rows) if name != "scaling" else predictions_markdown(rows)
-    print(table)
-    if out_json:
-        doc = {"suite": name, "rows": rows, **({"rates": used} if used else {})}
-        Path(out_json).write_text(json.dumps(doc, indent=2) + "\n")
-        Path(out_json).with_suffix(".md").write_text(table + "\n")
+            if out_json:  # after every row: a run cut short keeps the rows it measured
+                _write(out_json, name, rows, used)
+    print(_table(name, rows))
     return 0
+
+
+def _table(name: str, rows: list[dict[str, Any]]) -> str:
+    return markdown(rows) if name != "scaling" else predictions_markdown(rows)
+
+
+def _write(out_json: str, name: str, rows: list[dict[str, Any]], used: dict[int, Any]) -> None:
+    """The JSON and its markdown table, the rows so far (``"complete"`` once every
+    configuration of the suite has one)."""
+    doc = {
+        "suite": name,
+        "complete": len(rows) == len(SUITES[name]),
+        "rows": rows,
+        **({"rates": used} if used else {}),
+    }
+    Path(out_json).write_text(json.dumps(doc, indent=2) + "\n")
+    Path(out_json).with_suffix(".md").write_text(_table(name, rows) + "\n")
 
 
 def _world(argv: list[str]) -> int:
