@@ -316,3 +316,26 @@ def test_suite_writes_its_json_after_every_row(tmp_path: Path, monkeypatch: Any)
     assert [r["argv"] for r in doc["rows"]] == [" ".join(rows[0])]
     assert doc["rows"][0]["predicted_step_ms"] == 12.5
     assert "| tiny | 8 | FSDP | 1.00 |" in out.with_suffix(".md").read_text()
+
+
+def test_measured_cpu_peak_takes_off_a_block_freed_where_the_profiler_could_not_see() -> None:
+    """gloo's thread sometimes frees a reduce-scatter's clone unrecorded: an address handed
+    out again ends the block it held, so the peak does not grow by it step after step."""
+    from shardwise_app.cli.plan_measure import live_peak
+
+    mib = 2**20
+    events = [
+        (0, 0x1000, 50 * mib),  # the model and its state
+        (1, 0x2000, 7 * mib),  # a clone, freed on gloo's thread: no record
+        (2, 0x3000, 3 * mib),
+        (3, 0x3000, -3 * mib),
+        (10, 0x2000, 7 * mib),  # the window: the clone's address again
+        (11, 0x4000, 4 * mib),
+        (12, 0x4000, -4 * mib),
+        (13, 0x2000, -7 * mib),
+    ]
+    assert live_peak(events, start=10, end=20) == ((50 + 7 + 4) * mib, 1)
+    # Without the reuse the unseen free stays counted: the figure is an upper bound.
+    assert live_peak(events[:4] + events[5:7], start=10, end=20) == ((50 + 7 + 4) * mib, 0)
+    # Recorded frees alone: nothing is taken off twice.
+    assert live_peak([(0, 1, 5), (1, 1, -5), (2, 1, 6)], 0, 9) == (6, 0)

@@ -6,11 +6,11 @@ policy (``shardwise.planner.setup``, so the build is identical) train on real
 tensors in worker processes our launcher starts (gloo ranks on a CPU, one
 process per GPU on CUDA), and the peak comes from the allocator: on CUDA
 ``torch.cuda.max_memory_allocated``, on the CPU the allocation and free
-events ``torch.profiler`` records with ``profile_memory=True`` (the CPU
-allocator reports every one), summed in time order from before the model is
-built. The peak is taken over the second step (the first makes the optimizer
-state). On the CPU
-the step time comes from launches that never profile (a
+events ``torch.profiler`` records with ``profile_memory=True``, summed in
+time order from before the model is built and paired by address (a free made
+on gloo's own thread goes unrecorded: ``live_peak``). The peak is taken over
+the second step (the first makes the optimizer state). On the CPU the step
+time comes from launches that never profile (a
 profiled start left later steps up to 40% slower, 2026-12-02: the
 allocator's state it leaves): in each, ``WARM_STEPS`` untimed, then the
 median of ``TIMED_STEPS``, every rank starting each together, the slowest
@@ -165,7 +165,9 @@ def run_worker(args: Any, build: Any) -> int:
     step(model, opt, data)  # the optimizer state, the recorded orders
     out: dict[str, Any] = {}
     if timing != "time":
-        out["peak_bytes"] = _peak_of_step(step, model, opt, data, prof)
+        peaks = _peak_of_step(step, model, opt, data, prof)
+        out["peak_bytes"] = [p for p, _ in peaks]
+        out["frees_unrecorded"] = [n for _, n in peaks]  # CPU: seen by address (live_peak)
     if timing != "peak":
         out.update(_time_steps(step, model, opt, data, cuda))
     if w.is_main:
@@ -180,14 +182,15 @@ def run_worker(args: Any, build: Any) -> int:
 
 
 def _peak_of_step(step: Any, model: Any, opt: Any, data: Any, prof: Any) -> list[Any]:
-    """Every rank's peak over one step (the second: the optimizer state exists).
-    (The highest of 4 CPU steps was tried, 2026-12-03: at 4 gloo ranks on 2
-    loaded cores it caught a step 3.5% over the prediction's bound, where one
-    step stayed within 2% in five launches.)"""
+    """Every rank's peak over one step (the second: the optimizer state exists), with
+    the frees the CPU profiler did not see (``live_peak``; 0 on a GPU). (The highest
+    of 4 CPU steps was tried, 2026-12-03: at 4 gloo ranks it caught a step 3.5% over
+    the prediction's bound, most likely such unseen frees, counted then.)"""
     import torch
 
     from shardwise import collectives
 
+    unrecorded = 0
     if prof is None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -198,8 +201,8 @@ def _peak_of_step(step: Any, model: Any, opt: Any, data: Any, prof: Any) -> list
         peak = int(torch.cuda.max_memory_allocated())
     else:
         prof.stop()
-        peak = _cpu_peak(prof, "shardwise_measured_step")
-    return collectives.all_gather_objects(peak)
+        peak, unrecorded = _cpu_peak(prof, "shardwise_measured_step")
+    return collectives.all_gather_objects((peak, unrecorded))
 
 
 def _time_steps(step: Any, model: Any, opt: Any, data: Any, cuda: bool) -> dict[str, Any]:
@@ -236,30 +239,58 @@ def _cpu_profiler() -> Any:
     )
 
 
-def _cpu_peak(prof: Any, window: str) -> int:
-    """Live CPU bytes at their highest inside ``window``: allocations and frees summed in order."""
-    import torch
+def _cpu_peak(prof: Any, window: str) -> tuple[int, int]:
+    """Live CPU bytes at their highest inside ``window``, and how many frees the profiler
+    did not see (``live_peak``), from its allocation events with their addresses."""
+    from torch._C._profiler import _EventType
 
-    cpu = torch._C._autograd.DeviceType.CPU
-    events = list(prof.profiler.kineto_results.events())
-    spans = [e for e in events if e.name() == window]
+    spans = [e for e in prof.profiler.kineto_results.events() if e.name() == window]
     if not spans:
         raise RuntimeError(f"the profiler recorded no {window!r} span")
     start = spans[0].start_ns()
     end = start + spans[0].duration_ns()
-    mem = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and e.device_type() == cpu
-    )
-    live = peak = 0
-    for ts, nbytes in mem:
+    allocs = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+            f = e.typed[1]
+            allocs.append((e.start_time_ns, f.id, f.ptr, f.alloc_size))
+    allocs.sort()
+    return live_peak([(ts, ptr, n) for ts, _, ptr, n in allocs], start, end)
+
+
+def live_peak(events: list[tuple[int, int, int]], start: int, end: int) -> tuple[int, int]:
+    """The most bytes live at once in ``[start, end]``, from ``(time, address, bytes)``
+    allocation events in time order (a free: negative bytes), counted from the first;
+    and the number of frees that were never recorded.
+
+    Why by address: the profiler records a free only on a thread it profiles, and
+    gloo's worker thread sometimes drops the last reference to a buffer its work
+    holds (the reduce-scatter's clone of its input: the work is marked done, the
+    runtime's wait returns and lets go, and then the worker thread releases its
+    own). Summed blindly, such a block stays live to the end, and the measured
+    peak grew step by step, by one block's clone at a time (6.76 MiB at the small
+    GPT, 4 gloo ranks; 7 of 21 launches, 2026-12-03). An address handed out again
+    was freed before: its block is taken off there. Between the unseen free and
+    that reuse it still counts, so the figure is an upper bound, as before."""
+    live = peak = unrecorded = 0
+    held: dict[int, int] = {}
+    for ts, ptr, nbytes in events:
         if ts > end:
             break
+        if nbytes > 0 and ptr in held:
+            live -= held.pop(ptr)
+            unrecorded += 1
         if ts >= start:
             peak = max(peak, live, live + nbytes)  # what was live as the window began, too
         live += nbytes
-    return peak
+        if nbytes > 0:
+            held[ptr] = nbytes
+        else:
+            held.pop(ptr, None)
+    return peak, unrecorded
 
 
 def is_measuring_worker(args: Any) -> bool:
