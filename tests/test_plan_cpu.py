@@ -144,7 +144,9 @@ def _gloo_reduce_scatter_memory(rank: int, world: int) -> dict[str, int]:
     import torch.distributed as dist
 
     from shardwise import collectives
+    from shardwise_app.cli.plan_measure import _free_handles_here
 
+    _free_handles_here()  # else gloo's thread may free the clone where no profiler sees
     numel = 1 << 16
     inp = torch.ones(world * numel)
     out = torch.empty(numel)
@@ -175,6 +177,74 @@ def test_gloo_reduce_scatter_holds_a_clone_of_its_input_until_the_wait() -> None
     for m in run_distributed(_gloo_reduce_scatter_memory, 2, timeout=120):
         assert m["in_flight"] == m["input"], m
         assert m["waited"] == 0, m
+
+
+def _gloo_clone_frees(rank: int, world: int, rounds: int) -> tuple[int, int, int]:
+    """The measured launch's profile over many reduce-scatters: allocations of the
+    clone's size, their recorded frees, and the bytes left live at the end."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise import collectives
+    from shardwise_app.cli.plan_measure import _free_handles_here
+
+    _free_handles_here()
+    numel = 1 << 16
+    inp = torch.ones(world * numel)
+    out = torch.empty(numel)
+    size = inp.numel() * inp.element_size()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        for i in range(rounds):
+            if (i + rank) % 2:  # the ranks take turns arriving last
+                time.sleep(0.001)
+            collectives.reduce_scatter(out, inp, dist.group.WORLD, divide_by=None).wait()
+        dist.barrier()
+    memory = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return memory.count(size), memory.count(-size), sum(memory)
+
+
+def test_a_measured_launch_sees_every_free_of_gloos_clones() -> None:
+    """gloo's worker thread lets go of a work just after the wait returns; where it let
+    go last, the clone was freed there, unrecorded, and the measured CPU peak grew by
+    it. The profiled launch keeps each handle past the wait and drops it on its own
+    thread (plan_measure._free_handles_here): every clone's free is in the record."""
+    from dist_utils import run_distributed
+
+    for allocs, frees, left in run_distributed(_gloo_clone_frees, 2, 40, timeout=120):
+        assert allocs == 40 and frees == 40 and left == 0, (allocs, frees, left)
+
+
+def test_the_held_handle_lives_past_the_wait_and_goes_on_this_thread() -> None:
+    import threading
+    import weakref
+
+    from shardwise import collectives
+    from shardwise_app.cli import plan_measure
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    work = Work()
+    gone = weakref.ref(work)
+    freed_on: list[str] = []
+    weakref.finalize(work, lambda: freed_on.append(threading.current_thread().name))
+    before = list(collectives._observers)
+    try:
+        plan_measure._free_handles_here()
+        pending = collectives.Pending(work, kind="reduce_scatter")
+        for fn in collectives._observers[len(before) :]:
+            fn(collectives.CollectiveRecord("reduce_scatter", None, 1, 4, 2, ""), pending)  # type: ignore[arg-type]
+        del work
+        assert gone() is not None  # the Pending holds it until the wait
+        t0 = time.perf_counter()
+        pending.wait()
+        assert time.perf_counter() - t0 >= plan_measure.HANDLE_HOLD_S
+        assert gone() is None and freed_on == [threading.current_thread().name]
+    finally:
+        collectives._observers[:] = before
 
 
 def test_a_cpu_targets_reduce_scatter_carries_its_input_as_staging() -> None:

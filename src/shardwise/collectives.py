@@ -74,6 +74,11 @@ class Pending:
         self.done = False
         self.on_done: list[Callable[[Pending], None]] = []
 
+    @property
+    def work(self) -> Any:
+        """The backend's handle until waited for (then None): an observer may keep it."""
+        return self._work
+
     def wait(self) -> None:
         if self.done:
             return
