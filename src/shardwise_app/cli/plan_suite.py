@@ -186,6 +186,7 @@ def _summary(d: dict[str, Any]) -> dict[str, Any]:
         "predicted_comm_ms": d["time"]["comm_ms"],
         "compute": d["compute"],
         "measured_step_ms_per_launch": m.get("step_ms_per_launch"),
+        "measured_frees_unrecorded": m.get("frees_unrecorded"),  # CPU: plan_measure.live_peak
     }
 
 
