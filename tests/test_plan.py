@@ -339,3 +339,26 @@ def test_measured_cpu_peak_takes_off_a_block_freed_where_the_profiler_could_not_
     assert live_peak(events[:4] + events[5:7], start=10, end=20) == ((50 + 7 + 4) * mib, 0)
     # Recorded frees alone: nothing is taken off twice.
     assert live_peak([(0, 1, 5), (1, 1, -5), (2, 1, 6)], 0, 9) == (6, 0)
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="measured compute for a CPU target: no GPU"
+)
+def test_measured_cpu_plan_gives_each_rank_its_share_of_this_machines_cores(
+    tmp_path: Path,
+) -> None:
+    """Measured compute times a CPU target on this CPU, so the ranks are this machine's
+    whether or not --measure runs them: each gets cores / ranks threads, and more ranks
+    than cores each compute that much slower."""
+    from shardwise_app.cli.main import usable_cpus
+
+    world = 2 * usable_cpus()
+    out = shardwise(
+        "plan", *TINY, "--world-size", str(world), "--hardware", "cpu",
+        "--compute", "measured", "--json", "p.json", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    compute = json.loads((tmp_path / "p.json").read_text())["compute"]
+    assert compute["threads"] == 1
+    assert compute["slowdown"] == 2.0
+    assert compute["local_step_ms"] > 0

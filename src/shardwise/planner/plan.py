@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from .local_step import HostStep, Layout, host_optimizer_seconds, local_step_seconds
@@ -214,7 +215,12 @@ def plan(
             # Down as well as up: timed one by one from Python, the smallest
             # operators cost more than inside a step.
             host_scale = local / ops_s if ops_s > 0 else 1.0
-            how.update(local_step_ms=local * 1e3, operators_ms=ops_s * 1e3, host_scale=host_scale)
+            how.update(
+                local_step_ms=local * 1e3,
+                operators_ms=ops_s * 1e3,
+                host_scale=host_scale,
+                threads=torch.get_num_threads(),  # the rank's, as timed here
+            )
     t = replay(
         sim.events, hardware, world_size, policy.offload, sim.host_params, host_scale=host_scale
     )
@@ -245,7 +251,6 @@ COMPUTE_MODES = ("rates", "measured")
 
 def check_measurable(hardware: Hardware) -> None:
     """Measured compute runs the operators here: only for a target that is this device."""
-    import torch
 
     if hardware.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(

@@ -315,7 +315,10 @@ def main(argv: list[str]) -> int:
         matmul_flops=args.matmul_tflops and args.matmul_tflops * 1e12,
     )
     slowdown = 1.0
-    if hw.device == "cpu" and args.measure:
+    # The ranks run on this machine's cores: measured here, or timed here (measured
+    # compute times a CPU target on this CPU), with or without --measure.
+    here = hw.device == "cpu" and (args.measure or args.compute == "measured")
+    if here:
         hw, slowdown = _shared_cores(hw, args.world_size)
     if args.compute == "measured":
         import torch
@@ -326,7 +329,7 @@ def main(argv: list[str]) -> int:
             check_measurable(hw)
         except ValueError as e:
             raise UsageError(f"--compute measured: {e}") from None
-        if hw.device == "cpu" and args.measure:  # the threads each measured rank gets
+        if here:  # the threads each rank gets
             torch.set_num_threads(max(1, usable_cpus() // args.world_size))
     kw: dict[str, Any] = dict(
         batch_size=batch,
