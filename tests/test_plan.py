@@ -362,3 +362,20 @@ def test_measured_cpu_plan_gives_each_rank_its_share_of_this_machines_cores(
     assert compute["threads"] == 1
     assert compute["slowdown"] == 2.0
     assert compute["local_step_ms"] > 0
+
+
+def test_the_cpu_suite_predicts_with_the_median_of_its_calibrations() -> None:
+    from shardwise_app.cli.plan_suite import median_rates
+
+    runs = [
+        {"intra_bw": 1.44e9, "latency": 2.7e-3, "ranks_per_node": 64, "comm_overlaps": False,
+         "source": "calibrate('cpu')"},
+        {"intra_bw": 0.35e9, "latency": 3.0e-3, "ranks_per_node": 64, "comm_overlaps": False,
+         "source": "again"},
+        {"intra_bw": 1.30e9, "latency": 2.8e-3, "ranks_per_node": 64, "comm_overlaps": False,
+         "source": "and again"},
+    ]  # fmt: skip
+    r = median_rates(runs)
+    assert r["intra_bw"] == 1.30e9 and r["latency"] == 2.8e-3  # the outlier gone
+    assert r["ranks_per_node"] == 64 and r["comm_overlaps"] is False
+    assert r["source"] == "calibrate('cpu') (each rate the median of 3)"
