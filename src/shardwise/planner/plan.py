@@ -251,7 +251,6 @@ COMPUTE_MODES = ("rates", "measured")
 
 def check_measurable(hardware: Hardware) -> None:
     """Measured compute runs the operators here: only for a target that is this device."""
-
     if hardware.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"compute='measured' times operators on this machine's device, and "
