@@ -64,6 +64,24 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--suite", "scaling", "--rows", "0,12"], "give distinct indexes 0 to 11 of suite"),
+        (["--suite", "cpu", "--rows", "two"], "--rows 'two': give distinct indexes 0 to 11"),
+        ([*TINY, "--world-size", "8", "--rows", "0"], "give --suite NAME too"),
+    ],
+)
+def test_bad_suite_rows_are_one_line_and_run_nothing(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    out = shardwise("plan", *args, "--json", "s.json", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert out.stdout == "" and not (tmp_path / "s.json").exists()
+
+
 def test_unknown_model_is_one_line(tmp_path: Path) -> None:
     out = shardwise("plan", "--model", "huge", "--world-size", "8", cwd=tmp_path)
     assert out.returncode == 2
@@ -316,6 +334,53 @@ def test_suite_writes_its_json_after_every_row(tmp_path: Path, monkeypatch: Any)
     assert [r["argv"] for r in doc["rows"]] == [" ".join(rows[0])]
     assert doc["rows"][0]["predicted_step_ms"] == 12.5
     assert "| tiny | 8 | FSDP | 1.00 |" in out.with_suffix(".md").read_text()
+
+
+def test_a_suite_timing_on_this_machine_compares_the_median_of_predictions_made_first(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """With compute timed here each row is predicted PREDICTIONS times, each in a process
+    of its own and all before the measured run; the row compares their median step (and
+    that plan's breakdown) with the run. --rows runs only the configurations named."""
+    from types import SimpleNamespace
+
+    from shardwise_app.cli import plan_suite
+
+    assert plan_suite.PREDICTIONS == 3
+    configs = [["--model", "tiny", "--world-size", str(w)] for w in (2, 4, 8)]
+    monkeypatch.setitem(plan_suite.SUITES, "cpu", configs)
+    calls: list[list[str]] = []
+    steps = iter([100.0, 130.0, 90.0])  # the median is the first draw, not the run's own
+
+    def run(cmd: list[str], **_: Any) -> SimpleNamespace:
+        calls.append(cmd)
+        step = next(steps)
+        plan = {
+            "step_ms": step,
+            "peak_bytes": 2**20,
+            "peak_bytes_drifting": 2**20,
+            "peak_where": {"phase": "backward", "module": "blocks.0"},
+            "time": {"compute_ms": step - 10, "comm_ms": 10.0},
+            "compute": {"local_step_ms": step - 10},
+        }
+        if "--measure" in cmd:
+            plan["measured"] = {"peak_bytes": [2**20], "step_ms": 95.0, "device": "cpu"}
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(plan))
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(plan_suite.subprocess, "run", run)
+    out = tmp_path / "suite.json"
+    extra = ["--rates", "r.json", "--compute", "measured"]
+    plan_suite.run_suite("cpu", str(out), extra, only=plan_suite.suite_rows("cpu", "1"))
+    assert [c.count("--measure") for c in calls] == [0, 0, 1]  # the run comes last
+    assert all(c[c.index("--world-size") + 1] == "4" for c in calls)  # row 1 only
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and len(doc["rows"]) == 1
+    row = doc["rows"][0]
+    assert row["predicted_step_ms_per_draw"] == [100.0, 130.0, 90.0]
+    assert row["predicted_step_ms"] == 100.0 and row["predicted_compute_ms"] == 90.0
+    assert row["measured_step_ms"] == 95.0
+    assert row["step_error_pct"] == pytest.approx(100 * 5 / 95)
 
 
 def test_measured_cpu_peak_takes_off_a_block_freed_where_the_profiler_could_not_see() -> None:

@@ -142,6 +142,11 @@ def parser() -> argparse.ArgumentParser:
         help="predict and measure a fixed set of configurations, each in its own "
         "process; --json FILE (and FILE with .md) gets the table",
     )
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="--suite: only these of its configurations, by index from 0 (e.g. 0,2)",
+    )
     p.add_argument("--measure-out", default=None, help=argparse.SUPPRESS)  # a measuring worker
     p.add_argument(  # what a measuring launch measures: peak, time or both
         "--measure-time", default=None, choices=("peak", "time", "both"), help=argparse.SUPPRESS
@@ -264,10 +269,13 @@ def main(argv: list[str]) -> int:
     if args.compute is None:
         args.compute = "measured" if args.suite == "cpu" else "rates"
     if args.suite:
-        from .plan_suite import run_suite
+        from .plan_suite import run_suite, suite_rows
 
         extra = ["--rates", args.rates] if args.rates else []
-        return run_suite(args.suite, args.json, extra + ["--compute", args.compute])
+        rows = suite_rows(args.suite, args.rows) if args.rows is not None else None
+        return run_suite(args.suite, args.json, extra + ["--compute", args.compute], rows)
+    if args.rows is not None:
+        raise UsageError("--rows picks configurations of a --suite: give --suite NAME too")
     if args.calibrate or args.calibrate_out:
         from .plan_rates import calibrate_worker, is_calibrating_worker, run_calibration
 

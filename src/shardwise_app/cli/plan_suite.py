@@ -4,7 +4,10 @@ Why one command: the planner's error table in docs/scaling.md must be
 reproducible by one invocation. Each configuration is its own
 ``shardwise plan ... --measure`` process (its workers are processes of their
 own too), so every measured peak starts clean. A configuration that fails
-(out of memory, say) is reported as such and the rest go on.
+(out of memory, say) is reported as such and the rest go on. Where the
+compute is timed on this machine (``--compute measured``), each row is
+predicted ``PREDICTIONS`` times before its run and the median compared.
+``--rows`` runs some of a suite's configurations (a command's time limit).
 """
 
 from __future__ import annotations
@@ -70,8 +73,28 @@ SUITES = {
 }
 
 
-def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -> int:
-    """``extra``: flags every configuration gets (``--rates FILE``, ``--compute``).
+def suite_rows(name: str, text: str) -> list[int]:
+    """``--rows 0,2``: the indexes into suite ``name``, or a UsageError saying which exist."""
+    from .main import UsageError
+
+    last = len(SUITES[name]) - 1
+    try:
+        rows = [int(x) for x in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or any(not 0 <= r <= last for r in rows) or len(set(rows)) != len(rows):
+        raise UsageError(
+            f"--rows {text!r}: give distinct indexes 0 to {last} of suite {name!r}, "
+            "separated by commas (e.g. --rows 0,2)"
+        )
+    return sorted(rows)
+
+
+def run_suite(
+    name: str, out_json: str | None, extra: list[str] | None = None, only: list[int] | None = None
+) -> int:
+    """``extra``: flags every configuration gets (``--rates FILE``, ``--compute``);
+    ``only``: the indexes of the configurations to run (default all).
 
     The CPU suite without ``--rates`` calibrates this machine first, in the same
     invocation (``calibrated_rates``): a CPU's rates are its own, and a default
@@ -81,39 +104,41 @@ def run_suite(name: str, out_json: str | None, extra: list[str] | None = None) -
     extra = list(extra or [])
     rates: dict[int, str] = {}
     used: dict[int, Any] = {}  # the rates calibrated here, per world size
+    configs = [c for i, c in enumerate(SUITES[name]) if only is None or i in only]
     with tempfile.TemporaryDirectory() as tmp:
         if name == "cpu" and "--rates" not in extra:
-            rates = calibrated_rates(Path(tmp), sorted({_world(a) for a in SUITES[name]}))
+            rates = calibrated_rates(Path(tmp), sorted({_world(a) for a in configs}))
             used = {w: json.loads(Path(f).read_text()) for w, f in rates.items()}
-        for i, argv in enumerate(SUITES[name]):
-            out = Path(tmp) / f"{i}.json"
-            measure = [] if name == "scaling" else ["--measure"]
+        measure = [] if name == "scaling" else ["--measure"]
+        # Compute timed here is one draw of this machine: the median of several (below).
+        draws = PREDICTIONS if measure and "measured" in extra else 1
+        for i, argv in enumerate(configs):
             own = ["--rates", rates[_world(argv)]] if rates else []
-            cmd = [
-                sys.executable,
-                "-m",
-                "shardwise",
-                "plan",
-                *argv,
-                *extra,
-                *own,
-                *measure,
-                "--json",
-                str(out),
-            ]
+            cmd = [sys.executable, "-m", "shardwise", "plan", *argv, *extra, *own]
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            row: dict[str, Any] = {"argv": " ".join(argv), "wall_s": time.perf_counter() - t0}
-            if proc.returncode == 0 and out.is_file():
-                d = json.loads(out.read_text())
+            row: dict[str, Any] = {"argv": " ".join(argv)}
+            plans: list[dict[str, Any]] = []
+            # the prediction-only draws first: every prediction is made before the run
+            for k, flags in enumerate([[]] * (draws - 1) + [measure]):
+                out = Path(tmp) / f"{i}_{k}.json"
+                proc = subprocess.run(
+                    [*cmd, *flags, "--json", str(out)], env=env, capture_output=True, text=True
+                )
+                if proc.returncode or not out.is_file():
+                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+                    row["failed"] = tail[0][:200]
+                    break
+                plans.append(json.loads(out.read_text()))
+            row["wall_s"] = time.perf_counter() - t0
+            if "failed" not in row:
+                d = median_prediction(plans)
                 row.update(_summary(d) if measure else _prediction(d))
-            else:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-                row["failed"] = tail[0][:200]
+                if draws > 1:
+                    row["predicted_step_ms_per_draw"] = [p["step_ms"] for p in plans]
             rows.append(row)
             print(_line(row), flush=True)
             if out_json:  # after every row: a run cut short keeps the rows it measured
-                _write(out_json, name, rows, used)
+                _write(out_json, name, rows, used, len(configs))
     print(_table(name, rows))
     return 0
 
@@ -122,12 +147,14 @@ def _table(name: str, rows: list[dict[str, Any]]) -> str:
     return markdown(rows) if name != "scaling" else predictions_markdown(rows)
 
 
-def _write(out_json: str, name: str, rows: list[dict[str, Any]], used: dict[int, Any]) -> None:
-    """The JSON and its markdown table, the rows so far (``"complete"`` once every
-    configuration of the suite has one)."""
+def _write(
+    out_json: str, name: str, rows: list[dict[str, Any]], used: dict[int, Any], wanted: int
+) -> None:
+    """The JSON and its markdown table, the rows so far (``"complete"`` once each of the
+    ``wanted`` configurations has one)."""
     doc = {
         "suite": name,
-        "complete": len(rows) == len(SUITES[name]),
+        "complete": len(rows) == wanted,
         "rows": rows,
         **({"rates": used} if used else {}),
     }
@@ -177,6 +204,23 @@ def calibrated_rates(tmp: Path, worlds: list[int]) -> dict[int, str]:
         print(f"rates for {w} ranks: latency {r['latency'] * 1e6:.0f} us, bus "
               f"{r['intra_bw'] / 1e9:.2f} GB/s ({r['source']})", flush=True)  # fmt: skip
     return files
+
+
+# A prediction whose compute is timed on this machine (``--compute measured``) is one
+# draw of its speed: the small GPT's local step at 2 gloo ranks came out 199 to 271 ms
+# in five plan processes a few seconds apart on the 2-core machine (2026-12-03), while
+# the rounds inside one process move together. The suite predicts each row
+# ``PREDICTIONS`` times, each in a process of its own and all before the run, and
+# compares the median with what the run measured (itself the median of its launches).
+PREDICTIONS = 3
+
+
+def median_prediction(plans: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last plan (the measuring one: it carries ``measured``) with the step time,
+    its parts and its compute record taken from the plan whose step is the median of
+    ``plans`` (an odd count; for an even one the upper middle)."""
+    middle = sorted(plans, key=lambda p: p["step_ms"])[len(plans) // 2]
+    return {**plans[-1], **{k: middle[k] for k in ("step_ms", "time", "compute") if k in middle}}
 
 
 def median_rates(runs: list[dict[str, Any]]) -> dict[str, Any]:
