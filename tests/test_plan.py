@@ -70,9 +70,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
         (["--suite", "scaling", "--rows", "0,12"], "give distinct indexes 0 to 11 of suite"),
         (["--suite", "cpu", "--rows", "two"], "--rows 'two': give distinct indexes 0 to 11"),
         ([*TINY, "--world-size", "8", "--rows", "0"], "give --suite NAME too"),
+        ([*TINY, "--world-size", "8", "--launches", "2"], "counts --measure's runs"),
+        (["--suite", "cpu", "--launches", "0"], "--launches must be at least 1, got 0"),
     ],
 )
-def test_bad_suite_rows_are_one_line_and_run_nothing(
+def test_bad_suite_rows_and_launches_are_one_line_and_run_nothing(
     tmp_path: Path, args: list[str], message: str
 ) -> None:
     out = shardwise("plan", *args, "--json", "s.json", cwd=tmp_path)
@@ -124,11 +126,15 @@ def test_budget_picks_the_fastest_policy_that_fits() -> None:
 # drift apart holds gloo's gather buffers longer (Plan.peak_bytes_drifting).
 # Too near 3% to assert; docs/scaling.md has every configuration.)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world,ac", [(2, "none"), (4, "none")])
-def test_predicted_peak_within_3_percent_of_gloo_ranks(tmp_path: Path, world: int, ac: str) -> None:
+@pytest.mark.parametrize("world,ac,launches", [(2, "none", 3), (4, "none", 2)])
+def test_predicted_peak_within_3_percent_of_gloo_ranks(
+    tmp_path: Path, world: int, ac: str, launches: int
+) -> None:
+    flag = ["--launches", str(launches)] if launches != 3 else []  # 3: the default
     out = shardwise(
         "plan", "--model", "tiny", "--world-size", str(world), "--batch-size", "8",
-        "--seq-len", "128", "--ac", ac, "--measure", "--json", "m.json", cwd=tmp_path, timeout=280,
+        "--seq-len", "128", "--ac", ac, "--measure", *flag, "--json", "m.json", cwd=tmp_path,
+        timeout=280,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     d = json.loads((tmp_path / "m.json").read_text())
@@ -138,11 +144,11 @@ def test_predicted_peak_within_3_percent_of_gloo_ranks(tmp_path: Path, world: in
     # The step is the median of the timing launches, each its slowest rank's median;
     # per rank, the median over the launches.
     m = d["measured"]
-    launches = m["step_ms_per_rank_per_launch"]
-    assert len(launches) == len(m["step_ms_per_launch"]) == 3 and len(launches[0]) == world
-    assert m["step_ms_per_launch"] == [max(r) for r in launches]
+    runs = m["step_ms_per_rank_per_launch"]
+    assert len(runs) == len(m["step_ms_per_launch"]) == launches and len(runs[0]) == world
+    assert m["step_ms_per_launch"] == [max(r) for r in runs]
     assert m["step_ms"] == statistics.median(m["step_ms_per_launch"])
-    assert m["step_ms_per_rank"] == [statistics.median(r) for r in zip(*launches)]
+    assert m["step_ms_per_rank"] == [statistics.median(r) for r in zip(*runs)]
 
 
 STATES = ("sharded_params", "grads", "optimizer_state")
@@ -339,18 +345,19 @@ def test_suite_writes_its_json_after_every_row(tmp_path: Path, monkeypatch: Any)
 def test_a_suite_timing_on_this_machine_compares_the_median_of_predictions_made_first(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    """With compute timed here each row is predicted PREDICTIONS times, each in a process
-    of its own and all before the measured run; the row compares their median step (and
-    that plan's breakdown) with the run. --rows runs only the configurations named."""
+    """With compute timed here each row is predicted several times, each in a process of
+    its own and all before the measured run (which times its own launches); the row
+    compares their median step (and that plan's breakdown) with the run. --rows runs
+    only the configurations named."""
     from types import SimpleNamespace
 
     from shardwise_app.cli import plan_suite
 
-    assert plan_suite.PREDICTIONS == 3
+    assert plan_suite.CPU_PREDICTIONS == plan_suite.CPU_LAUNCHES == 5
     configs = [["--model", "tiny", "--world-size", str(w)] for w in (2, 4, 8)]
     monkeypatch.setitem(plan_suite.SUITES, "cpu", configs)
     calls: list[list[str]] = []
-    steps = iter([100.0, 130.0, 90.0])  # the median is the first draw, not the run's own
+    steps = iter([100.0, 130.0, 90.0, 140.0, 80.0])  # the median: the first draw
 
     def run(cmd: list[str], **_: Any) -> SimpleNamespace:
         calls.append(cmd)
@@ -372,12 +379,14 @@ def test_a_suite_timing_on_this_machine_compares_the_median_of_predictions_made_
     out = tmp_path / "suite.json"
     extra = ["--rates", "r.json", "--compute", "measured"]
     plan_suite.run_suite("cpu", str(out), extra, only=plan_suite.suite_rows("cpu", "1"))
-    assert [c.count("--measure") for c in calls] == [0, 0, 1]  # the run comes last
+    assert [c.count("--measure") for c in calls] == [0, 0, 0, 0, 1]  # the run comes last
+    assert [c.count("--launches") for c in calls] == [0, 0, 0, 0, 1]
+    assert calls[-1][calls[-1].index("--launches") + 1] == "5"
     assert all(c[c.index("--world-size") + 1] == "4" for c in calls)  # row 1 only
     doc = json.loads(out.read_text())
     assert doc["complete"] is True and len(doc["rows"]) == 1
     row = doc["rows"][0]
-    assert row["predicted_step_ms_per_draw"] == [100.0, 130.0, 90.0]
+    assert row["predicted_step_ms_per_draw"] == [100.0, 130.0, 90.0, 140.0, 80.0]
     assert row["predicted_step_ms"] == 100.0 and row["predicted_compute_ms"] == 90.0
     assert row["measured_step_ms"] == 95.0
     assert row["step_error_pct"] == pytest.approx(100 * 5 / 95)

@@ -16,7 +16,8 @@ allocator's state it leaves): in each, ``WARM_STEPS`` untimed, then the
 median of ``TIMED_STEPS``, every rank starting each together, the slowest
 rank's median; the figure is the median over ``TIMING_LAUNCHES`` launches.
 On a GPU, which nothing profiles, the same steps follow the peak's in one
-launch.
+launch. ``--launches N`` sets how many launches the step time is the median
+of (on a GPU the first is the peak's).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict
         import torch
 
         cuda = torch.cuda.is_available()
-        for timing in ["both"] if cuda else ["peak", *["time"] * TIMING_LAUNCHES]:
+        n = args.launches or (1 if cuda else TIMING_LAUNCHES)
+        for timing in ["both", *["time"] * (n - 1)] if cuda else ["peak", *["time"] * n]:
             worker_args = _worker_args(args, predicted, seq, batch, out)
             worker_args["measure_time"] = timing
             code = launch("plan", worker_args, Launch(nproc), lambda _id, sig: 128 + sig)

@@ -6,7 +6,7 @@ reproducible by one invocation. Each configuration is its own
 own too), so every measured peak starts clean. A configuration that fails
 (out of memory, say) is reported as such and the rest go on. Where the
 compute is timed on this machine (``--compute measured``), each row is
-predicted ``PREDICTIONS`` times before its run and the median compared.
+predicted several times before its run and the median compared.
 ``--rows`` runs some of a suite's configurations (a command's time limit).
 """
 
@@ -91,10 +91,16 @@ def suite_rows(name: str, text: str) -> list[int]:
 
 
 def run_suite(
-    name: str, out_json: str | None, extra: list[str] | None = None, only: list[int] | None = None
+    name: str,
+    out_json: str | None,
+    extra: list[str] | None = None,
+    only: list[int] | None = None,
+    launches: int | None = None,
 ) -> int:
     """``extra``: flags every configuration gets (``--rates FILE``, ``--compute``);
-    ``only``: the indexes of the configurations to run (default all).
+    ``only``: the indexes of the configurations to run (default all); ``launches``:
+    each measured step time's (default ``plan --measure``'s, ``CPU_LAUNCHES`` on the
+    CPU suite).
 
     The CPU suite without ``--rates`` calibrates this machine first, in the same
     invocation (``calibrated_rates``): a CPU's rates are its own, and a default
@@ -110,8 +116,12 @@ def run_suite(
             rates = calibrated_rates(Path(tmp), sorted({_world(a) for a in configs}))
             used = {w: json.loads(Path(f).read_text()) for w, f in rates.items()}
         measure = [] if name == "scaling" else ["--measure"]
+        launches = launches or (CPU_LAUNCHES if name == "cpu" else None)
+        if measure and launches:
+            measure += ["--launches", str(launches)]
         # Compute timed here is one draw of this machine: the median of several (below).
-        draws = PREDICTIONS if measure and "measured" in extra else 1
+        draws = CPU_PREDICTIONS if name == "cpu" else PREDICTIONS
+        draws = draws if measure and "measured" in extra else 1
         for i, argv in enumerate(configs):
             own = ["--rates", rates[_world(argv)]] if rates else []
             cmd = [sys.executable, "-m", "shardwise", "plan", *argv, *extra, *own]
@@ -213,6 +223,11 @@ def calibrated_rates(tmp: Path, worlds: list[int]) -> dict[int, str]:
 # ``PREDICTIONS`` times, each in a process of its own and all before the run, and
 # compares the median with what the run measured (itself the median of its launches).
 PREDICTIONS = 3
+# On the 2-core machine the measured side spreads as much (one row's launches 751,
+# 854 and 949 ms a step, 2026-12-03): its suite takes five draws of each side. (A
+# GPU launch of the 6.45B GPT costs minutes: one, as ``plan --measure`` does there.)
+CPU_PREDICTIONS = 5
+CPU_LAUNCHES = 5
 
 
 def median_prediction(plans: list[dict[str, Any]]) -> dict[str, Any]:
