@@ -139,15 +139,15 @@ def parser() -> argparse.ArgumentParser:
         "--launches",
         type=int,
         default=None,
-        help="--measure: the step time is the median of N launches, each its own "
-        "processes (default 3 on a CPU, 1 on a GPU)",
+        help="--measure: the step time is the median of N launches, each in processes "
+        "of its own (default 3 on a CPU, 1 on a GPU)",
     )
     p.add_argument(
         "--suite",
         choices=SUITE_NAMES,
         default=None,
-        help="predict and measure a fixed set of configurations, each in its own "
-        "process; --json FILE (and FILE with .md) gets the table",
+        help="predict and measure a fixed set of configurations, each in processes of "
+        "its own; --json FILE (and FILE with .md) gets the table",
     )
     p.add_argument(
         "--rows",

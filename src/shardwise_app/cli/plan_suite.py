@@ -1,9 +1,9 @@
 """``shardwise plan --suite NAME --json FILE`` (h200, h200-offload, h200-no-offload, cpu, scaling): predicted vs measured over a set of configurations.
 
 Why one command: the planner's error table in docs/scaling.md must be
-reproducible by one invocation. Each configuration is its own
-``shardwise plan ... --measure`` process (its workers are processes of their
-own too), so every measured peak starts clean. A configuration that fails
+reproducible by one invocation. Each configuration runs as
+``shardwise plan ... --measure`` processes of its own (their workers are
+processes of their own too), so every measured peak starts clean. A configuration that fails
 (out of memory, say) is reported as such and the rest go on. Where the
 compute is timed on this machine (``--compute measured``), each row is
 predicted several times before its run and the median compared.
