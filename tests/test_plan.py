@@ -336,7 +336,7 @@ def test_suite_writes_its_json_after_every_row(tmp_path: Path, monkeypatch: Any)
     with pytest.raises(KeyboardInterrupt):
         plan_suite.run_suite("scaling", str(out))
     doc = json.loads(out.read_text())
-    assert doc["complete"] is False
+    assert doc["complete"] is False and "only" not in doc
     assert [r["argv"] for r in doc["rows"]] == [" ".join(rows[0])]
     assert doc["rows"][0]["predicted_step_ms"] == 12.5
     assert "| tiny | 8 | FSDP | 1.00 |" in out.with_suffix(".md").read_text()
@@ -384,7 +384,7 @@ def test_a_suite_timing_on_this_machine_compares_the_median_of_predictions_made_
     assert calls[-1][calls[-1].index("--launches") + 1] == "5"
     assert all(c[c.index("--world-size") + 1] == "4" for c in calls)  # row 1 only
     doc = json.loads(out.read_text())
-    assert doc["complete"] is True and len(doc["rows"]) == 1
+    assert doc["complete"] is True and doc["only"] == [1] and len(doc["rows"]) == 1
     row = doc["rows"][0]
     assert row["predicted_step_ms_per_draw"] == [100.0, 130.0, 90.0, 140.0, 80.0]
     assert row["predicted_step_ms"] == 100.0 and row["predicted_compute_ms"] == 90.0

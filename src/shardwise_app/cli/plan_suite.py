@@ -148,7 +148,7 @@ def run_suite(
             rows.append(row)
             print(_line(row), flush=True)
             if out_json:  # after every row: a run cut short keeps the rows it measured
-                _write(out_json, name, rows, used, len(configs))
+                _write(out_json, name, rows, used, only)
     print(_table(name, rows))
     return 0
 
@@ -158,13 +158,19 @@ def _table(name: str, rows: list[dict[str, Any]]) -> str:
 
 
 def _write(
-    out_json: str, name: str, rows: list[dict[str, Any]], used: dict[int, Any], wanted: int
+    out_json: str,
+    name: str,
+    rows: list[dict[str, Any]],
+    used: dict[int, Any],
+    only: list[int] | None = None,
 ) -> None:
-    """The JSON and its markdown table, the rows so far (``"complete"`` once each of the
-    ``wanted`` configurations has one)."""
+    """The JSON and its markdown table, the rows so far (``"complete"`` once each
+    configuration asked for has one; ``"only"``: the indexes ``--rows`` asked for)."""
+    wanted = len(only) if only is not None else len(SUITES[name])
     doc = {
         "suite": name,
         "complete": len(rows) == wanted,
+        **({"only": only} if only is not None else {}),
         "rows": rows,
         **({"rates": used} if used else {}),
     }
