@@ -72,6 +72,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
         ([*TINY, "--world-size", "8", "--rows", "0"], "give --suite NAME too"),
         ([*TINY, "--world-size", "8", "--launches", "2"], "counts --measure's runs"),
         (["--suite", "cpu", "--launches", "0"], "--launches must be at least 1, got 0"),
+        (["--suite", "scaling", "--launches", "3"], "the scaling suite measures none"),
     ],
 )
 def test_bad_suite_rows_and_launches_are_one_line_and_run_nothing(

@@ -277,6 +277,8 @@ def main(argv: list[str]) -> int:
         args.compute = "measured" if args.suite == "cpu" else "rates"
     if args.launches is not None and args.launches < 1:
         raise UsageError(f"--launches must be at least 1, got {args.launches}")
+    if args.suite == "scaling" and args.launches is not None:
+        raise UsageError("--launches counts measured runs: the scaling suite measures none")
     if args.suite:
         from .plan_suite import run_suite, suite_rows
 
