@@ -231,12 +231,11 @@ def test_the_held_handle_lives_past_the_wait_and_goes_on_this_thread() -> None:
     gone = weakref.ref(work)
     freed_on: list[str] = []
     weakref.finalize(work, lambda: freed_on.append(threading.current_thread().name))
-    before = list(collectives._observers)
+    remove = plan_measure._free_handles_here()
     try:
-        plan_measure._free_handles_here()
         pending = collectives.Pending(work, kind="reduce_scatter")
-        for fn in collectives._observers[len(before) :]:
-            fn(collectives.CollectiveRecord("reduce_scatter", None, 1, 4, 2, ""), pending)  # type: ignore[arg-type]
+        observe = collectives._observers[-1]  # the one just installed
+        observe(collectives.CollectiveRecord("reduce_scatter", None, 1, 4, 2, ""), pending)  # type: ignore[arg-type]
         del work
         assert gone() is not None  # the Pending holds it until the wait
         t0 = time.perf_counter()
@@ -244,7 +243,8 @@ def test_the_held_handle_lives_past_the_wait_and_goes_on_this_thread() -> None:
         assert time.perf_counter() - t0 >= plan_measure.HANDLE_HOLD_S
         assert gone() is None and freed_on == [threading.current_thread().name]
     finally:
-        collectives._observers[:] = before
+        remove()
+    assert observe not in collectives._observers
 
 
 def test_a_cpu_targets_reduce_scatter_carries_its_input_as_staging() -> None:

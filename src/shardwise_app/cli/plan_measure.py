@@ -26,6 +26,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +240,7 @@ def _time_steps(step: Any, model: Any, opt: Any, data: Any, cuda: bool) -> dict[
 HANDLE_HOLD_S = 0.01
 
 
-def _free_handles_here() -> None:
+def _free_handles_here() -> Callable[[], None]:
     """Have this thread, not gloo's, free what a collective's handle holds.
 
     The profiler records a free only on a thread it profiles. A gloo work keeps
@@ -250,7 +251,7 @@ def _free_handles_here() -> None:
     for 86.5 in 2 of 6 invocations, 2026-12-03). So the profiled launch keeps
     each handle past the wait for ``HANDLE_HOLD_S`` and then drops it here;
     nothing is allocated meanwhile, so the peak is the run's. Timing launches
-    do not do this."""
+    do not do this. Returns the remover of the observer it installs."""
     from shardwise import collectives
 
     def observe(_rec: Any, p: Any) -> None:
@@ -262,7 +263,7 @@ def _free_handles_here() -> None:
 
         p.on_done.append(release)
 
-    collectives.add_observer(observe)
+    return collectives.add_observer(observe)
 
 
 def _cpu_profiler() -> Any:

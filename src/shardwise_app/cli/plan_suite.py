@@ -1,13 +1,13 @@
 """``shardwise plan --suite NAME --json FILE`` (h200, h200-offload, h200-no-offload, cpu, scaling): predicted vs measured over a set of configurations.
 
 Why one command: the planner's error table in docs/scaling.md must be
-reproducible by one invocation. Each configuration runs as
-``shardwise plan ... --measure`` processes of its own (their workers are
-processes of their own too), so every measured peak starts clean. A configuration that fails
-(out of memory, say) is reported as such and the rest go on. Where the
-compute is timed on this machine (``--compute measured``), each row is
-predicted several times before its run and the median compared.
-``--rows`` runs some of a suite's configurations (a command's time limit).
+reproducible by one invocation. Each configuration runs as ``shardwise
+plan ... --measure`` processes of its own (their workers are processes of
+their own too), so every measured peak starts clean. A configuration that
+fails (out of memory, say) is reported as such and the rest go on. Where
+the compute is timed on this machine (``--compute measured``), each row is
+predicted several times before its run and the median compared. ``--rows``
+runs some of a suite's configurations (a command's time limit).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def run_suite(
             measure += ["--launches", str(launches)]
         # Compute timed here is one draw of this machine: the median of several (below).
         draws = CPU_PREDICTIONS if name == "cpu" else PREDICTIONS
-        draws = draws if measure and "measured" in extra else 1
+        draws = draws if measure and _flag(extra, "--compute") == "measured" else 1
         for i, argv in enumerate(configs):
             own = ["--rates", rates[_world(argv)]] if rates else []
             cmd = [sys.executable, "-m", "shardwise", "plan", *argv, *extra, *own]
@@ -176,6 +176,11 @@ def _write(
     }
     Path(out_json).write_text(json.dumps(doc, indent=2) + "\n")
     Path(out_json).with_suffix(".md").write_text(_table(name, rows) + "\n")
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value given to ``name`` in ``argv`` (None: not given)."""
+    return argv[argv.index(name) + 1] if name in argv else None
 
 
 def _world(argv: list[str]) -> int:
