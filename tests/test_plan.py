@@ -9,6 +9,7 @@ them, with the peak's breakdown adding up to the peak.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import statistics
@@ -305,6 +306,64 @@ def test_offloaded_peak_counts_the_held_gradient_and_the_upload_copy() -> None:
         out = pool.submit(_offload_copies_plan).result(timeout=200)
     assert out["phase"] == "backward", out
     assert out["kinds"].get("comm_buffers") == 2 * out["block"], out
+
+
+def test_one_gpu_replay_holds_a_modules_compute_until_its_own_upload() -> None:
+    """At one GPU an offloaded gather is its upload, on a stream of its own: the
+    compute after the gather's wait starts when that upload ends, not before
+    (without the wait, the upload would overlap all of the compute)."""
+    from shardwise.planner import H200
+    from shardwise.planner.timeline import op_seconds, replay
+    from shardwise.planner.tracker import Event
+
+    upload = Event(kind="op", live=0, phase="forward", module="a", transfer=1 << 30, key=1)
+    work = Event(kind="op", live=0, phase="forward", module="a", flops=2e11, matmul=True)
+    wait = Event(kind="wait", live=0, phase="forward", module="b", key=1)
+    t_up = (1 << 30) / H200.h2d_bw
+    t_work = op_seconds(work, H200)
+    assert t_up > 2 * t_work  # the upload outlasts the compute it hides behind
+    held = replay([upload, work, wait, work], H200, 1)
+    start = op_seconds(upload, H200, copies=False)
+    assert held.step_s == pytest.approx(t_up + t_work)
+    assert held.exposed_comm_s == pytest.approx(t_up - start - t_work)
+    unheld = replay([upload, work, work], H200, 1)  # nothing waits: only the step's end
+    assert unheld.step_s == pytest.approx(t_up) and unheld.step_s < held.step_s
+
+
+def _offloaded_one_gpu_events() -> dict[str, Any]:
+    from shardwise.planner import H200, Policy
+    from shardwise.planner.simulate import simulate
+    from shardwise.planner.timeline import replay
+    from shardwise_app.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=256, n_layer=3, n_head=4, d_model=512)
+    policy = Policy(mp="bf16", offload=True)
+    sim = simulate(lambda: GPT(cfg), 1, policy, H200, batch=1, seq=cfg.seq_len)
+    ev = sim.events
+    uploads = [i for i, e in enumerate(ev) if e.transfer and not e.to_host]
+    waits = {e.key: i for i, e in enumerate(ev) if e.kind == "wait"}
+    unwaited = [dataclasses.replace(e, key=0) for e in ev if e.kind != "wait"]
+    return {
+        "uploads": uploads,
+        "keys": [ev[i].key for i in uploads],
+        "waits": waits,
+        "held_s": replay(ev, H200, 1, offload=True).step_s,
+        "unheld_s": replay(unwaited, H200, 1, offload=True).step_s,
+    }
+
+
+def test_one_gpu_offload_records_where_each_upload_is_waited_for() -> None:
+    """The simulated runtime's own waits: every gather's upload (root and three blocks,
+    forward and the blocks again in backward) is waited for once, after it was
+    issued; the replay with those waits is longer than without (the small blocks'
+    compute cannot hide their uploads)."""
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        out = pool.submit(_offloaded_one_gpu_events).result(timeout=200)
+    uploads, keys, waits = out["uploads"], out["keys"], out["waits"]
+    assert len(uploads) == 1 + 3 + 3, uploads
+    assert keys == uploads  # each keyed by its own index
+    assert sorted(waits) == uploads and all(waits[k] > k for k in uploads), (waits, uploads)
+    assert out["held_s"] > out["unheld_s"], out
 
 
 def test_suite_writes_its_json_after_every_row(tmp_path: Path, monkeypatch: Any) -> None:

@@ -10,8 +10,9 @@ second stream, one collective at a time: a collective starts when it is
 issued and the previous one is done, and lasts ``latency + bytes / bus
 bandwidth`` (intra-node or inter-node, by its group); an offloaded gather
 first uploads its shard, a reduction then downloads it (at one GPU, with no
-collective, the copies have two streams of their own, one each way). A wait moves
-compute to the collective's end; that move is exposed communication.
+collective, the copies have two streams of their own, one each way, and a
+module's compute waits for its own upload). A wait moves compute to the
+collective's (or upload's) end; that move is exposed communication.
 """
 
 from __future__ import annotations
@@ -104,10 +105,10 @@ def replay(
         per_byte = host_params * ADAMW_BYTES_PER_PARAM / rate / host_bytes
     # More than one rank: an offloaded gather's upload and a reduction's download
     # are timed with the collective (comm_seconds). At one rank they run on their
-    # own streams (offload.py), one each way, beside compute, and the step waits
-    # for both before the optimizer (backward's end waits for the downloads). A
-    # module's compute waiting for its own upload is not modelled: where the
-    # copies outlast the compute, the wait lands before the optimizer instead.
+    # own streams (offload.py), one each way, beside compute: a module's compute
+    # waits for its own upload where the runtime waits for its gather (the upload
+    # event's key, tracker.offload_copies), and the step waits for both streams
+    # before the optimizer (backward's end waits for the downloads).
     one_rank = not any(e.kind == "issue" for e in events)
     streams = one_rank and hw.device == "cuda"  # a CPU copies on the rank's core
     copy_free = {True: 0.0, False: 0.0}  # to the host, to the device: when each is done
@@ -128,6 +129,8 @@ def replay(
                 t = e.transfer / hw.h2d_bw
                 copy_free[e.to_host] = max(clock, copy_free[e.to_host]) + t
                 comm_total += t
+                if e.key:  # an upload a later wait names
+                    ends[e.key] = all_ends[e.key] = copy_free[e.to_host]
             copies = one_rank and not streams
             dt = op_seconds(e, hw, per_byte, copies) * host_scale
             clock += dt

@@ -55,7 +55,7 @@ class Event:
     host: bool = False  # an op on offloaded (host) storages only
     coll: str = ""  # issue: collective kind
     group: int = 0  # issue: group size
-    key: int = 0  # issue/wait: which collective
+    key: int = 0  # issue/wait: which collective; op: an upload a wait names (one rank)
     numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
     dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
     staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
@@ -192,13 +192,18 @@ class Tracker(TorchDispatchMode):
           (a CPU run returns the shard), live until its caller has cast it into
           the gathered parameters (one block's fp32 shard under bf16).
 
-        Each copy is one event carrying the bytes that cross (``transfer``).
+        Each copy is one event carrying the bytes that cross (``transfer``). At one
+        rank a gather is only its upload (``gather.CastBeside``), run on a stream of
+        its own and waited for where the runtime waits for the gather: that upload's
+        event gets a key (its index) and the wait is recorded with it, so the replay
+        holds the module's compute until its own upload is done (timeline.py).
         """
-        from .. import offload
+        from .. import gather, offload
 
         download0, release0, upload0 = offload.download, offload.release_downloaded, offload.upload
         tracker = self
         reading: list[torch.Tensor] = []  # the device tensor the last download read
+        uploaded: list[int] = []  # the index of the upload a gather being issued made
 
         def download(t: torch.Tensor, dtype: torch.dtype, pin: bool, owner: Any = None) -> Any:
             host, done = download0(t, dtype, pin, owner)
@@ -223,14 +228,36 @@ class Tracker(TorchDispatchMode):
             copy = tracker._quietly(lambda: torch.empty(flat.shape, dtype=flat.dtype))
             tracker.tag(copy, COMM)
             tracker.record(kind="op", transfer=flat.numel() * flat.element_size())
+            if tracker.events is not None:
+                uploaded[:] = [len(tracker.events) - 1]
             return copy
+
+        issue0 = gather.CastBeside.issue
+
+        def issue(self: Any, g: Any) -> Any:
+            uploaded.clear()
+            pending = issue0(self, g)
+            events = tracker.events
+            if pending is None or not uploaded or events is None:
+                return pending
+            key = uploaded.pop()
+            events[key].key = key
+
+            def waited(_p: Any) -> None:
+                if tracker.events is events:  # the same step's record
+                    tracker.record(kind="wait", key=key)
+
+            pending.on_done.append(waited)
+            return pending
 
         offload.download = download  # type: ignore[assignment]
         offload.release_downloaded = release_downloaded  # type: ignore[assignment]
         offload.upload = upload  # type: ignore[assignment]
+        gather.CastBeside.issue = issue  # type: ignore[method-assign]
         try:
             yield
         finally:
+            gather.CastBeside.issue = issue0  # type: ignore[method-assign]
             offload.download = download0  # type: ignore[assignment]
             offload.release_downloaded = release0  # type: ignore[assignment]
             offload.upload = upload0  # type: ignore[assignment]
