@@ -1,16 +1,22 @@
 """The CUDA variant of the core suite: NCCL, one rank per GPU (one GPU is enough).
 
 Skipped where there is no GPU (CI). Run on a GPU machine with
-``python -m pytest tests/test_cuda.py``.
+``python -m pytest tests/test_cuda.py`` (where shardwise is not installed,
+``PYTHONPATH=$PWD/src:$PWD/tests``: absolute, since the CLI's tests run it
+from a folder of their own).
 """
 
 from __future__ import annotations
 
+import json
+import statistics
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from cli_helpers import shardwise
 from dist_utils import run_distributed
 from test_core import PARITY, parity_worker, recompute_prefetch_worker
 
@@ -329,6 +335,24 @@ def test_cuda_measured_offload_plan_charges_the_host_optimizer_step_run_for_real
     assert c["host_step_sampled"] == 1.0 and c["host_step_ms"] > 0, c
     assert c["host_operators_one_by_one_ms"] > 0, c
     assert abs(c["host_operators_ms"] - c["host_step_ms"]) <= 1e-6 * c["host_step_ms"], c
+
+
+@pytest.mark.timeout(300)
+def test_cuda_plan_measure_times_each_launch_the_first_taking_the_peak_too(
+    tmp_path: Path,
+) -> None:
+    """``plan --measure --launches 2`` on a GPU: the first launch measures the peak and
+    the step, the second the step only; the step is the median of both launches."""
+    out = shardwise(
+        "plan", "--model", "tiny", "--world-size", "1", "--batch-size", "4",
+        "--seq-len", "128", "--measure", "--launches", "2", "--json", "m.json",
+        cwd=tmp_path, timeout=280,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    m = json.loads((tmp_path / "m.json").read_text())["measured"]
+    assert len(m["step_ms_per_launch"]) == len(m["step_ms_per_rank_per_launch"]) == 2, m
+    assert m["step_ms"] == statistics.median(m["step_ms_per_launch"]), m
+    assert m["peak_bytes"][0] > 0, m
 
 
 def float8_worker(rank: int, world: int) -> None:
