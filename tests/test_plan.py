@@ -316,9 +316,9 @@ def test_one_gpu_replay_holds_a_modules_compute_until_its_own_upload() -> None:
     from shardwise.planner.timeline import op_seconds, replay
     from shardwise.planner.tracker import Event
 
-    upload = Event(kind="op", live=0, phase="forward", module="a", transfer=1 << 30, key=1)
+    upload = Event(kind="op", live=0, phase="forward", module="a", transfer=1 << 30, key=-1)
     work = Event(kind="op", live=0, phase="forward", module="a", flops=2e11, matmul=True)
-    wait = Event(kind="wait", live=0, phase="forward", module="b", key=1)
+    wait = Event(kind="wait", live=0, phase="forward", module="b", key=-1)
     t_up = (1 << 30) / H200.h2d_bw
     t_work = op_seconds(work, H200)
     assert t_up > 2 * t_work  # the upload outlasts the compute it hides behind
@@ -361,8 +361,9 @@ def test_one_gpu_offload_records_where_each_upload_is_waited_for() -> None:
         out = pool.submit(_offloaded_one_gpu_events).result(timeout=200)
     uploads, keys, waits = out["uploads"], out["keys"], out["waits"]
     assert len(uploads) == 1 + 3 + 3, uploads
-    assert keys == uploads  # each keyed by its own index
-    assert sorted(waits) == uploads and all(waits[k] > k for k in uploads), (waits, uploads)
+    assert keys == [-1 - i for i in uploads]  # each keyed by its own index
+    assert sorted(waits, reverse=True) == keys, (waits, keys)
+    assert all(waits[-1 - i] > i for i in uploads), (waits, uploads)
     assert out["held_s"] > out["unheld_s"], out
 
 

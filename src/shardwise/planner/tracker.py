@@ -55,7 +55,9 @@ class Event:
     host: bool = False  # an op on offloaded (host) storages only
     coll: str = ""  # issue: collective kind
     group: int = 0  # issue: group size
-    key: int = 0  # issue/wait: which collective; op: an upload a wait names (one rank)
+    # issue/wait: which collective (its issue's index); op: an upload a wait names at
+    # one rank, -1 - its index (apart from the collectives' keys, and never 0: none)
+    key: int = 0
     numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
     dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
     staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
@@ -195,15 +197,14 @@ class Tracker(TorchDispatchMode):
         Each copy is one event carrying the bytes that cross (``transfer``). At one
         rank a gather is only its upload (``gather.CastBeside``), run on a stream of
         its own and waited for where the runtime waits for the gather: that upload's
-        event gets a key (its index) and the wait is recorded with it, so the replay
-        holds the module's compute until its own upload is done (timeline.py).
+        event gets a key and the wait is recorded with it, so the replay holds the
+        module's compute until its own upload is done (timeline.py).
         """
         from .. import gather, offload
 
         download0, release0, upload0 = offload.download, offload.release_downloaded, offload.upload
         tracker = self
         reading: list[torch.Tensor] = []  # the device tensor the last download read
-        uploaded: list[int] = []  # the index of the upload a gather being issued made
 
         def download(t: torch.Tensor, dtype: torch.dtype, pin: bool, owner: Any = None) -> Any:
             host, done = download0(t, dtype, pin, owner)
@@ -228,20 +229,23 @@ class Tracker(TorchDispatchMode):
             copy = tracker._quietly(lambda: torch.empty(flat.shape, dtype=flat.dtype))
             tracker.tag(copy, COMM)
             tracker.record(kind="op", transfer=flat.numel() * flat.element_size())
-            if tracker.events is not None:
-                uploaded[:] = [len(tracker.events) - 1]
             return copy
 
         issue0 = gather.CastBeside.issue
 
-        def issue(self: Any, g: Any) -> Any:
-            uploaded.clear()
-            pending = issue0(self, g)
+        def issue(way: Any, g: Any) -> Any:
             events = tracker.events
-            if pending is None or not uploaded or events is None:
+            start = len(events) if events is not None else 0
+            pending = issue0(way, g)
+            if pending is None or events is None:
                 return pending
-            key = uploaded.pop()
-            events[key].key = key
+            made = [
+                i for i in range(start, len(events)) if events[i].transfer and not events[i].to_host
+            ]
+            if not made:  # a cast, not an upload
+                return pending
+            key = -1 - made[-1]
+            events[made[-1]].key = key
 
             def waited(_p: Any) -> None:
                 if tracker.events is events:  # the same step's record
@@ -253,7 +257,7 @@ class Tracker(TorchDispatchMode):
         offload.download = download  # type: ignore[assignment]
         offload.release_downloaded = release_downloaded  # type: ignore[assignment]
         offload.upload = upload  # type: ignore[assignment]
-        gather.CastBeside.issue = issue  # type: ignore[method-assign]
+        gather.CastBeside.issue = issue  # type: ignore[method-assign, assignment]
         try:
             yield
         finally:

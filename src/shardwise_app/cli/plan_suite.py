@@ -184,7 +184,9 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 
 def _world(argv: list[str]) -> int:
-    return int(argv[argv.index("--world-size") + 1])
+    world = _flag(argv, "--world-size")
+    assert world is not None, argv  # every suite row names its world size
+    return int(world)
 
 
 # Calibrations per rank count, each in processes of its own; the suite predicts with
