@@ -403,36 +403,46 @@ def test_suite_writes_its_json_after_every_row(tmp_path: Path, monkeypatch: Any)
     assert "| tiny | 8 | FSDP | 1.00 |" in out.with_suffix(".md").read_text()
 
 
-def test_a_suite_timing_on_this_machine_compares_the_median_of_predictions_made_first(
+def test_a_suite_timing_on_this_machine_pairs_each_prediction_with_a_launch_after_it(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    """With compute timed here each row is predicted several times, each in a process of
-    its own and all before the measured run (which times its own launches); the row
-    compares their median step (and that plan's breakdown) with the run. --rows runs
-    only the configurations named."""
+    """With compute timed here each row is predicted and measured in pairs, one process
+    each (predict, then one launch), so that both sides sample the same minutes of the
+    machine; the row compares the median prediction (and that plan's breakdown) with
+    the median launch, each rank's peak the median of the runs'. --rows runs only the
+    configurations named."""
     from types import SimpleNamespace
 
     from shardwise_app.cli import plan_suite
 
-    assert plan_suite.CPU_PREDICTIONS == plan_suite.CPU_LAUNCHES == 5
+    assert plan_suite.CPU_PAIRS == 5
     configs = [["--model", "tiny", "--world-size", str(w)] for w in (2, 4, 8)]
     monkeypatch.setitem(plan_suite.SUITES, "cpu", configs)
     calls: list[list[str]] = []
     steps = iter([100.0, 130.0, 90.0, 140.0, 80.0])  # the median: the first draw
+    launched = iter([95.0, 120.0, 99.0, 150.0, 70.0])  # the median: 99
+    peaks = iter([30, 31, 29, 40, 30])  # MiB on rank 0; the median 30
 
     def run(cmd: list[str], **_: Any) -> SimpleNamespace:
         calls.append(cmd)
-        step = next(steps)
+        step, launch = next(steps), next(launched)
         plan = {
             "step_ms": step,
-            "peak_bytes": 2**20,
-            "peak_bytes_drifting": 2**20,
+            "peak_bytes": 2**25,
+            "peak_bytes_drifting": 2**25,
             "peak_where": {"phase": "backward", "module": "blocks.0"},
             "time": {"compute_ms": step - 10, "comm_ms": 10.0},
             "compute": {"local_step_ms": step - 10},
+            "measured": {
+                "peak_bytes": [next(peaks) * 2**20, 2**25],
+                "frees_unrecorded": [0, 1],
+                "step_ms": launch,
+                "step_ms_per_launch": [launch],
+                "step_ms_per_rank": [launch, launch - 1],
+                "step_ms_per_rank_per_launch": [[launch, launch - 1]],
+                "device": "cpu",
+            },
         }
-        if "--measure" in cmd:
-            plan["measured"] = {"peak_bytes": [2**20], "step_ms": 95.0, "device": "cpu"}
         Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(plan))
         return SimpleNamespace(returncode=0, stdout="", stderr="")
 
@@ -440,17 +450,34 @@ def test_a_suite_timing_on_this_machine_compares_the_median_of_predictions_made_
     out = tmp_path / "suite.json"
     extra = ["--rates", "r.json", "--compute", "measured"]
     plan_suite.run_suite("cpu", str(out), extra, only=plan_suite.suite_rows("cpu", "1"))
-    assert [c.count("--measure") for c in calls] == [0, 0, 0, 0, 1]  # the run comes last
-    assert [c.count("--launches") for c in calls] == [0, 0, 0, 0, 1]
-    assert calls[-1][calls[-1].index("--launches") + 1] == "5"
+    assert len(calls) == 5
+    assert all(c.count("--measure") == 1 for c in calls)  # every process predicts, then runs
+    assert all(c[c.index("--launches") + 1] == "1" for c in calls)  # one launch each
     assert all(c[c.index("--world-size") + 1] == "4" for c in calls)  # row 1 only
     doc = json.loads(out.read_text())
     assert doc["complete"] is True and doc["only"] == [1] and len(doc["rows"]) == 1
     row = doc["rows"][0]
     assert row["predicted_step_ms_per_draw"] == [100.0, 130.0, 90.0, 140.0, 80.0]
     assert row["predicted_step_ms"] == 100.0 and row["predicted_compute_ms"] == 90.0
-    assert row["measured_step_ms"] == 95.0
-    assert row["step_error_pct"] == pytest.approx(100 * 5 / 95)
+    assert row["measured_step_ms_per_launch"] == [95.0, 120.0, 99.0, 150.0, 70.0]
+    assert row["measured_step_ms"] == 99.0
+    assert row["step_error_pct"] == pytest.approx(100 * 1 / 99)
+    assert row["step_error_pct_per_pair"][0] == pytest.approx(100 * 5 / 95)
+    assert row["measured_peak_bytes"] == 30 * 2**20
+    assert row["measured_peak_bytes_per_run"] == [m * 2**20 for m in (30, 31, 29, 40, 30)]
+    assert row["measured_frees_unrecorded"] == [0, 5]
+    # --launches sets the pairs; a suite timed from rates measures once, with N launches
+    calls.clear()
+    steps = iter([100.0] * 2)
+    launched = iter([95.0] * 2)
+    peaks = iter([30] * 2)
+    plan_suite.run_suite("cpu", str(out), extra, only=[0], launches=2)
+    assert len(calls) == 2 and all(c[c.index("--launches") + 1] == "1" for c in calls)
+    calls.clear()
+    steps, launched, peaks = iter([100.0]), iter([95.0]), iter([30])
+    rated = ["--rates", "r.json", "--compute", "rates"]
+    plan_suite.run_suite("cpu", str(out), rated, only=[0], launches=4)
+    assert len(calls) == 1 and calls[0][calls[0].index("--launches") + 1] == "4"
 
 
 def test_measured_cpu_peak_takes_off_a_block_freed_where_the_profiler_could_not_see() -> None:

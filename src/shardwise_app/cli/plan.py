@@ -140,7 +140,8 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="--measure: the step time is the median of N launches, each in processes "
-        "of its own (default 3 on a CPU, 1 on a GPU)",
+        "of its own (default 3 on a CPU, 1 on a GPU); --suite with --compute measured: "
+        "N predict-then-measure pairs a row (default 5 on the cpu suite, 3 otherwise)",
     )
     p.add_argument(
         "--suite",

@@ -6,8 +6,9 @@ plan ... --measure`` processes of its own (their workers are processes of
 their own too), so every measured peak starts clean. A configuration that
 fails (out of memory, say) is reported as such and the rest go on. Where
 the compute is timed on this machine (``--compute measured``), each row is
-predicted several times before its run and the median compared. ``--rows``
-runs some of a suite's configurations (a command's time limit).
+predicted and measured in pairs, one after the other (``PAIRS``), and the
+medians compared. ``--rows`` runs some of a suite's configurations (a
+command's time limit).
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def run_suite(
 ) -> int:
     """``extra``: flags every configuration gets (``--rates FILE``, ``--compute``);
     ``only``: the indexes of the configurations to run (default all); ``launches``:
-    each measured step time's (default ``plan --measure``'s, ``CPU_LAUNCHES`` on the
-    CPU suite).
+    how many launches each measured step time is the median of (default ``plan
+    --measure``'s; with compute timed here, the pairs: ``PAIRS``, ``CPU_PAIRS``).
 
     The CPU suite without ``--rates`` calibrates this machine first, in the same
     invocation (``calibrated_rates``): a CPU's rates are its own, and a default
@@ -116,20 +117,21 @@ def run_suite(
             rates = calibrated_rates(Path(tmp), sorted({_world(a) for a in configs}))
             used = {w: json.loads(Path(f).read_text()) for w, f in rates.items()}
         measure = [] if name == "scaling" else ["--measure"]
-        launches = launches or (CPU_LAUNCHES if name == "cpu" else None)
-        if measure and launches:
-            measure += ["--launches", str(launches)]
-        # Compute timed here is one draw of this machine: the median of several (below).
-        draws = CPU_PREDICTIONS if name == "cpu" else PREDICTIONS
-        draws = draws if measure and _flag(extra, "--compute") == "measured" else 1
+        if measure and _flag(extra, "--compute") == "measured":
+            # Compute timed here is one draw of this machine's speed, and so is a launch:
+            # predict, measure one launch, and again (``PAIRS``), each in a process of its
+            # own, so that both medians sample the same minutes.
+            pairs = launches or (CPU_PAIRS if name == "cpu" else PAIRS)
+            runs = [[*measure, "--launches", "1"]] * pairs
+        else:
+            runs = [[*measure, *(["--launches", str(launches)] if measure and launches else [])]]
         for i, argv in enumerate(configs):
             own = ["--rates", rates[_world(argv)]] if rates else []
             cmd = [sys.executable, "-m", "shardwise", "plan", *argv, *extra, *own]
             t0 = time.perf_counter()
             row: dict[str, Any] = {"argv": " ".join(argv)}
             plans: list[dict[str, Any]] = []
-            # the prediction-only draws first: every prediction is made before the run
-            for k, flags in enumerate([[]] * (draws - 1) + [measure]):
+            for k, flags in enumerate(runs):
                 out = Path(tmp) / f"{i}_{k}.json"
                 proc = subprocess.run(
                     [*cmd, *flags, "--json", str(out)], env=env, capture_output=True, text=True
@@ -143,8 +145,8 @@ def run_suite(
             if "failed" not in row:
                 d = median_prediction(plans)
                 row.update(_summary(d) if measure else _prediction(d))
-                if draws > 1:
-                    row["predicted_step_ms_per_draw"] = [p["step_ms"] for p in plans]
+                if len(plans) > 1:
+                    row.update(_pairs(plans))
             rows.append(row)
             print(_line(row), flush=True)
             if out_json:  # after every row: a run cut short keeps the rows it measured
@@ -232,23 +234,61 @@ def calibrated_rates(tmp: Path, worlds: list[int]) -> dict[int, str]:
 # A prediction whose compute is timed on this machine (``--compute measured``) is one
 # draw of its speed: the small GPT's local step at 2 gloo ranks came out 199 to 271 ms
 # in five plan processes a few seconds apart on the 2-core machine (2026-12-03), while
-# the rounds inside one process move together. The suite predicts each row
-# ``PREDICTIONS`` times, each in a process of its own and all before the run, and
-# compares the median with what the run measured (itself the median of its launches).
-PREDICTIONS = 3
-# On the 2-core machine the measured side spreads as much (one row's launches 751,
-# 854 and 949 ms a step, 2026-12-03): its suite takes five draws of each side. (A
-# GPU launch of the 6.45B GPT costs minutes: one, as ``plan --measure`` does there.)
-CPU_PREDICTIONS = 5
-CPU_LAUNCHES = 5
+# the rounds inside one process move together. A launch of the run is one draw too,
+# and so is the host's AdamW in an offloaded GPU step (one prediction's host steps 1166
+# to 1623 ms on one H200 machine, 2026-12-03). Made all before the run, the
+# predictions sampled other minutes than the launches: the suite takes ``PAIRS``
+# pairs, each ``plan --measure --launches 1`` in a process of its own (predict, then
+# measure one launch), and compares the median prediction with the median launch.
+PAIRS = 3
+# The 2-core machine spreads most (one row's launches 751, 854 and 949 ms a step): five.
+CPU_PAIRS = 5
 
 
 def median_prediction(plans: list[dict[str, Any]]) -> dict[str, Any]:
-    """The last plan (the measuring one: it carries ``measured``) with the step time,
-    its parts and its compute record taken from the plan whose step is the median of
-    ``plans`` (an odd count; for an even one the upper middle)."""
+    """The last plan with the step time, its parts and its compute record taken from the
+    plan whose step is the median of ``plans`` (an odd count; for an even one the upper
+    middle), and, where more than one measured, their measurements as one
+    (``merged_measurements``)."""
     middle = sorted(plans, key=lambda p: p["step_ms"])[len(plans) // 2]
-    return {**plans[-1], **{k: middle[k] for k in ("step_ms", "time", "compute") if k in middle}}
+    d: dict[str, Any] = {
+        **plans[-1],
+        **{k: middle[k] for k in ("step_ms", "time", "compute") if k in middle},
+    }
+    if len(plans) > 1 and all("measured" in p for p in plans):
+        d["measured"] = merged_measurements([p["measured"] for p in plans])
+    return d
+
+
+def merged_measurements(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several ``plan --measure`` runs' figures as one: the step time the median over
+    every launch, each rank's peak the median over the runs (the upper middle of an
+    even count: a peak measured, not an average), each run's kept beside."""
+    launches = [s for m in runs for s in m["step_ms_per_launch"]]
+    per_rank = [r for m in runs for r in m["step_ms_per_rank_per_launch"]]
+    peaks = [m["peak_bytes"] for m in runs]
+    return {
+        **runs[-1],
+        "step_ms": statistics.median(launches),
+        "step_ms_per_launch": launches,
+        "step_ms_per_rank_per_launch": per_rank,
+        "step_ms_per_rank": [statistics.median(r) for r in zip(*per_rank)],
+        "peak_bytes": [statistics.median_high(r) for r in zip(*peaks)],
+        "peak_bytes_per_run": peaks,
+        "frees_unrecorded": [sum(r) for r in zip(*(m["frees_unrecorded"] for m in runs))],
+    }
+
+
+def _pairs(plans: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each draw's prediction, and where each measured, its own launch's step and peak."""
+    out: dict[str, Any] = {"predicted_step_ms_per_draw": [p["step_ms"] for p in plans]}
+    if all("measured" in p for p in plans):
+        steps = [p["measured"]["step_ms"] for p in plans]
+        out["step_error_pct_per_pair"] = [
+            100.0 * (p["step_ms"] - s) / s for p, s in zip(plans, steps, strict=True)
+        ]
+        out["measured_peak_bytes_per_run"] = [p["measured"]["peak_bytes"][0] for p in plans]
+    return out
 
 
 def median_rates(runs: list[dict[str, Any]]) -> dict[str, Any]:
