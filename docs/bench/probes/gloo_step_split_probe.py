@@ -1,0 +1,88 @@
+"""A real gloo step, split: time in the collectives' issue, in their waits, and the rest.
+
+Why: the planner charges a CPU step as the rank's step under the fake process
+group (compute and Python, ``local_step.py``) plus gloo's latency per tensor
+and bytes over the calibrated bus (the communication), one after the other.
+When a row misses, this says which side: the same model, policy and batch as
+``plan --measure`` (``planner.setup``), on real gloo ranks, with
+``collectives.Pending.wait`` and the gather and reduce-scatter entries timed
+on each rank, median over 9 steps after 2.
+
+Run: PYTHONPATH=src python docs/bench/probes/gloo_step_split_probe.py MODEL BATCH MP AC
+(e.g. ``tiny 8 bf16 none``; 2 ranks, sequence 128; each rank prints).
+"""
+
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def work(rank: int, world: int, port: int, model_name: str, batch: int, mpm: str, ac: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from shardwise import collectives
+    from shardwise.api import default_mesh
+    from shardwise.planner import Policy
+    from shardwise.planner.setup import apply_policy, lm_loss, make_optimizer, token_batch
+    from shardwise_app.cli.plan import resolve_model
+
+    build, _ = resolve_model(model_name, 128)
+    torch.manual_seed(0)
+    model = build()
+    apply_policy(model, Policy(mpm, ac), default_mesh())
+    opt = make_optimizer(model, "cpu", False)
+    data = token_batch(model, batch, 128)
+    acc = {"wait": 0.0, "issue": 0.0, "n": 0}
+    wait0 = collectives.Pending.wait
+
+    def wait(self: Any) -> None:
+        t0 = time.perf_counter()
+        wait0(self)
+        acc["wait"] += time.perf_counter() - t0
+        acc["n"] += 1
+
+    collectives.Pending.wait = wait  # type: ignore[method-assign]
+    for name in ("all_gather_each", "all_gather", "reduce_scatter"):
+        issue0 = getattr(collectives, name)
+
+        def issue(*a: Any, _issue0: Any = issue0, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = _issue0(*a, **k)
+            acc["issue"] += time.perf_counter() - t0
+            return out
+
+        setattr(collectives, name, issue)
+
+    def step() -> None:
+        lm_loss(model, data).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    rows = []
+    for _ in range(9):
+        acc.update(wait=0.0, issue=0.0, n=0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        rows.append((time.perf_counter() - t0, acc["wait"], acc["issue"], acc["n"]))
+    total, waits, issues = (1e3 * statistics.median(r[i] for r in rows) for i in range(3))
+    print(
+        f"rank {rank}: step {total:.1f} ms, in waits {waits:.1f}, in issue {issues:.1f}, "
+        f"rest {total - waits - issues:.1f} ({rows[0][3]} waits a step)",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    name, batch, mpm, ac = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    mp.spawn(work, (2, 29521, name, batch, mpm, ac), nprocs=2)
