@@ -8,8 +8,8 @@ When a row misses, this says which side: the same model, policy and batch as
 ``collectives.Pending.wait`` and the gather and reduce-scatter entries timed
 on each rank, median over 9 steps after 2.
 
-Run: PYTHONPATH=src python docs/bench/probes/gloo_step_split_probe.py MODEL BATCH MP AC
-(e.g. ``tiny 8 bf16 none``; 2 ranks, sequence 128; each rank prints).
+Run: PYTHONPATH=src python docs/bench/probes/gloo_step_split_probe.py MODEL BATCH MP AC [WORLD]
+(e.g. ``tiny 8 bf16 none``; WORLD ranks, default 2, sequence 128; each rank prints).
 """
 
 import os
@@ -85,4 +85,5 @@ def work(rank: int, world: int, port: int, model_name: str, batch: int, mpm: str
 
 if __name__ == "__main__":
     name, batch, mpm, ac = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    mp.spawn(work, (2, 29521, name, batch, mpm, ac), nprocs=2)
+    world = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+    mp.spawn(work, (world, 29521, name, batch, mpm, ac), nprocs=world)
