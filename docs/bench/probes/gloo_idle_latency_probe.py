@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,25 +44,20 @@ def work(rank: int, world: int, port: int) -> None:
         for _ in range(k):
             a @ a
 
+    def median_time(body: Callable[[], None], repeats: int) -> float:
+        t = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(ROUNDS):
+                body()
+            t.append(time.perf_counter() - t0)
+        return statistics.median(t)
+
     res = {}
     for k in (0, 1, 4, 16):
-        t = []
-        for _ in range(5):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(ROUNDS):
-                compute(k)
-            t.append(time.perf_counter() - t0)
-        alone = statistics.median(t)
-        t = []
-        for _ in range(9):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(ROUNDS):
-                compute(k)
-                gather()
-            t.append(time.perf_counter() - t0)
-        both = statistics.median(t)
+        alone = median_time(lambda k=k: compute(k), 5)
+        both = median_time(lambda k=k: (compute(k), gather()), 9)
         res[k] = ((both - alone) / ROUNDS / PARTS * 1e6, alone / ROUNDS * 1e3)
     if rank == 0:
         for lat, c in res.values():

@@ -67,13 +67,21 @@ def measure_and_compare(args: Any, predicted: Any, seq: int, batch: int) -> dict
             if timing != "peak":
                 launches.append(measured["step_ms"])
                 per_rank.append(measured["step_ms_per_rank"])
-        measured["step_ms_per_launch"] = launches
-        measured["step_ms"] = statistics.median(launches)
         # every launch's, not the last one's (its steps_ms stay the last launch's)
-        measured["step_ms_per_rank_per_launch"] = per_rank
-        measured["step_ms_per_rank"] = [statistics.median(r) for r in zip(*per_rank)]
+        measured.update(launch_figures(launches, per_rank))
     print_comparison(predicted, measured)
     return measured
+
+
+def launch_figures(launches: list[float], per_rank: list[list[float]]) -> dict[str, Any]:
+    """The step time over several launches: the median of each launch's step (``launches``),
+    and each rank's median of its launches' (``per_rank``: one list of ranks per launch)."""
+    return {
+        "step_ms_per_launch": launches,
+        "step_ms": statistics.median(launches),
+        "step_ms_per_rank_per_launch": per_rank,
+        "step_ms_per_rank": [statistics.median(r) for r in zip(*per_rank)],
+    }
 
 
 def _worker_args(args: Any, p: Any, seq: int, batch: int, out: Path) -> dict[str, Any]:

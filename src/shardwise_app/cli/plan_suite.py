@@ -144,6 +144,8 @@ def run_suite(
             row["wall_s"] = time.perf_counter() - t0
             if "failed" not in row:
                 d = median_prediction(plans)
+                if len(plans) > 1:  # pairs: each plan measured one launch
+                    d["measured"] = merged_measurements([p["measured"] for p in plans])
                 row.update(_summary(d) if measure else _prediction(d))
                 if len(plans) > 1:
                     row.update(_pairs(plans))
@@ -248,31 +250,25 @@ CPU_PAIRS = 5
 def median_prediction(plans: list[dict[str, Any]]) -> dict[str, Any]:
     """The last plan with the step time, its parts and its compute record taken from the
     plan whose step is the median of ``plans`` (an odd count; for an even one the upper
-    middle), and, where more than one measured, their measurements as one
-    (``merged_measurements``)."""
+    middle)."""
     middle = sorted(plans, key=lambda p: p["step_ms"])[len(plans) // 2]
-    d: dict[str, Any] = {
-        **plans[-1],
-        **{k: middle[k] for k in ("step_ms", "time", "compute") if k in middle},
-    }
-    if len(plans) > 1 and all("measured" in p for p in plans):
-        d["measured"] = merged_measurements([p["measured"] for p in plans])
-    return d
+    return {**plans[-1], **{k: middle[k] for k in ("step_ms", "time", "compute") if k in middle}}
 
 
 def merged_measurements(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several ``plan --measure`` runs' figures as one: the step time the median over
-    every launch, each rank's peak the median over the runs (the upper middle of an
-    even count: a peak measured, not an average), each run's kept beside."""
-    launches = [s for m in runs for s in m["step_ms_per_launch"]]
-    per_rank = [r for m in runs for r in m["step_ms_per_rank_per_launch"]]
+    """Several ``plan --measure`` runs' figures as one: the step time over every launch
+    (``plan_measure.launch_figures``, as one run's launches), each rank's peak the
+    median over the runs (the upper middle of an even count: a peak measured, not an
+    average), each run's kept beside."""
+    from .plan_measure import launch_figures
+
     peaks = [m["peak_bytes"] for m in runs]
     return {
         **runs[-1],
-        "step_ms": statistics.median(launches),
-        "step_ms_per_launch": launches,
-        "step_ms_per_rank_per_launch": per_rank,
-        "step_ms_per_rank": [statistics.median(r) for r in zip(*per_rank)],
+        **launch_figures(
+            [s for m in runs for s in m["step_ms_per_launch"]],
+            [r for m in runs for r in m["step_ms_per_rank_per_launch"]],
+        ),
         "peak_bytes": [statistics.median_high(r) for r in zip(*peaks)],
         "peak_bytes_per_run": peaks,
         "frees_unrecorded": [sum(r) for r in zip(*(m["frees_unrecorded"] for m in runs))],
@@ -280,15 +276,15 @@ def merged_measurements(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _pairs(plans: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each draw's prediction, and where each measured, its own launch's step and peak."""
-    out: dict[str, Any] = {"predicted_step_ms_per_draw": [p["step_ms"] for p in plans]}
-    if all("measured" in p for p in plans):
-        steps = [p["measured"]["step_ms"] for p in plans]
-        out["step_error_pct_per_pair"] = [
-            100.0 * (p["step_ms"] - s) / s for p, s in zip(plans, steps, strict=True)
-        ]
-        out["measured_peak_bytes_per_run"] = [p["measured"]["peak_bytes"][0] for p in plans]
-    return out
+    """Each pair's prediction, its error against its own launch, and rank 0's peak there."""
+    return {
+        "predicted_step_ms_per_draw": [p["step_ms"] for p in plans],
+        "step_error_pct_per_pair": [
+            100.0 * (p["step_ms"] - p["measured"]["step_ms"]) / p["measured"]["step_ms"]
+            for p in plans
+        ],
+        "measured_peak_bytes_per_run": [p["measured"]["peak_bytes"][0] for p in plans],
+    }
 
 
 def median_rates(runs: list[dict[str, Any]]) -> dict[str, Any]:
