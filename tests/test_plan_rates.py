@@ -236,3 +236,48 @@ def test_calibrate_writes_rates_that_plan_accepts(tmp_path: Path) -> None:
     assert d["intra_bw"] != THIS_CPU.intra_bw and d["latency"] != THIS_CPU.latency
     again = shardwise("plan", *TINY, "--world-size", "4", "--rates", "r.json", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
+
+
+class _Wire:
+    """A stand-in for gloo on 2 ranks: a gather of ``PARTS`` tensors is done
+    ``PARTS x latency + bytes / bw`` after its issue, whatever runs meanwhile."""
+
+    def __init__(self, latency: float, bw: float) -> None:
+        self.latency, self.bw = latency, bw
+
+    def all_gather_each(self, outs: list[torch.Tensor], inps: list[torch.Tensor], *_: object):
+        import time
+
+        moved = sum(o.numel() * o.element_size() for o in outs) / 2  # (n-1)/n at 2 ranks
+        done = time.perf_counter() + len(outs) * self.latency + moved / self.bw
+
+        class Handle:
+            def wait(self) -> None:
+                while time.perf_counter() < done:
+                    time.sleep(min(1e-4, max(0.0, done - time.perf_counter())))
+
+        return Handle()
+
+
+def test_a_cpu_calibration_takes_the_bus_from_two_sizes_and_the_latency_beside_compute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bus is the slope between two sizes, so no latency is in it; the latency is
+    what a gather adds to a round of ``BUSY_S`` compute it was issued before, per
+    tensor: here the wire's latency less the compute that hid it (a bare loop
+    would report the wire's whole latency, 1.25 ms a tensor)."""
+    from shardwise import collectives
+    from shardwise.planner import calibrate
+
+    wire = _Wire(latency=1.25e-3, bw=0.5e9)
+    monkeypatch.setattr(collectives, "all_gather_each", wire.all_gather_each)
+    monkeypatch.setattr(collectives, "world_size", lambda group=None: 2)
+
+    class Mesh:
+        def get_group(self) -> None:
+            return None
+
+    rates = calibrate._collective_rates(Mesh(), torch.device("cpu"), 3, lambda: None)
+    assert rates["intra_bw"] == pytest.approx(wire.bw, rel=0.15)
+    hidden = calibrate.BUSY_S / calibrate.PARTS  # 0.375 ms a tensor behind the compute
+    assert rates["latency"] == pytest.approx(wire.latency - hidden, abs=0.2e-3)

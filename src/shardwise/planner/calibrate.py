@@ -110,6 +110,11 @@ def blas_workspace(device: torch.device) -> int | None:
 
 PARTS = 8  # a block's parameters, about: what one gather of a module holds
 ROUNDS = 20
+# The compute a CPU rank runs between a gather's issue and its wait while calibrating
+# the latency: a block's forward on the CPU rows of docs/scaling.md, a few ms. At 2
+# and 5 ms the latency came out within 15% of each other; at 10 to 20 ms it fell by
+# 30 to 60% (the gathers then finish inside the compute), 2026-12-04.
+BUSY_S = 3e-3
 
 # (tokens, in, out): a transformer MLP's up projection at sizes each device trains.
 CPU_LINEAR = (512, 512, 2048)
@@ -171,43 +176,91 @@ def calibrate(device: str = "cpu", repeats: int = 5) -> Hardware:
 def _collective_rates(
     mesh: Any, dev: torch.device, repeats: int, sync: Callable[[], None]
 ) -> dict[str, float]:
-    """The world's all-gather: ``latency`` (a few bytes) and bus bandwidth (16 MiB a
-    rank's output), as the timeline charges them: ``latency + bytes per rank / bw``,
-    bytes per rank (n-1)/n of the output. The world is one node here: ``intra_bw``.
+    """The world's all-gather as the runtime issues it: ``latency`` (a few bytes)
+    and bus bandwidth, as the timeline charges them:
+    ``latency + bytes per rank / bw``, bytes per rank (n-1)/n of the output. The
+    world is one node here: ``intra_bw``.
 
-    The latency is taken as the runtime pays it: a module's parameters gathered
-    together (``all_gather_each``), one tensor each. NCCL groups them into one
-    launch, so that is one latency; gloo runs each as a collective of its own,
-    and ``PARTS`` of them in flight cost about ``PARTS`` latencies (2026-12-02, 2
-    gloo ranks: 12 small tensors took 7 to 9 ms, one took 0.3 to 0.8)."""
+    Both are taken as a step pays them: a module's parameters gathered together
+    (``all_gather_each``), one tensor each. NCCL groups them into one launch, so
+    that is one latency; gloo runs each as a collective of its own on its
+    threads, all in flight at once, so ``PARTS`` of them cost about ``PARTS``
+    latencies (2026-12-02, 2 gloo ranks: 12 small tensors took 7 to 9 ms, one
+    took 0.3 to 0.8) and move their bytes faster than one flat gather (1.1 to 1.6
+    GB/s against 0.3 to 0.8 at 2 and 4 ranks, 2026-12-04). On a CPU the latency is
+    the one a step sees, with the ranks computing while the gathers are in flight
+    (``_busy_latency``), not a bare loop's."""
     from .. import collectives
 
     group = mesh.get_group()
     n = collectives.world_size(group)
+    cpu = dev.type == "cpu"
 
-    def gather(numel: int) -> Callable[[], object]:
-        inp = torch.ones(numel // n, device=dev)
-        out = torch.empty(numel // n * n, device=dev)
-        return lambda: collectives.all_gather(out, inp, group, "calibrate").wait()
-
-    def gather_each(numel: int) -> Callable[[], object]:
-        inps = [torch.ones(numel, device=dev) for _ in range(PARTS)]
-        outs = [torch.empty(numel * n, device=dev) for _ in range(PARTS)]
-        return lambda: collectives.all_gather_each(outs, inps, group, "calibrate").wait()
+    def gather_each(shard: int) -> Callable[[], Any]:  # PARTS tensors, ``shard`` a rank
+        inps = [torch.ones(shard, device=dev) for _ in range(PARTS)]
+        outs = [torch.empty(shard * n, device=dev) for _ in range(PARTS)]
+        return lambda: collectives.all_gather_each(outs, inps, group, "calibrate")
 
     each = gather_each(8)
+    if cpu:
+        latency = _busy_latency(each, max(repeats, 9))
+    else:
 
-    def several() -> None:  # sustained, as a step issues them: not one lucky round
+        def several() -> None:  # sustained, as a step issues them: not one lucky round
+            for _ in range(ROUNDS):
+                each().wait()
+
+        latency = _median(several, max(repeats, 9), sync) / ROUNDS
+    # The bus from two sizes' difference, so that no latency is in it (subtracting
+    # one from a single size put the 4-rank bus anywhere from 0.6 to 2.8 GB/s,
+    # 2026-12-04): 4 and 16 MiB of fp32 output in all, about a block's gather in
+    # the CPU rows.
+    seconds, moved = [], []
+    for shard in ((1 << 20) // PARTS // n, (1 << 22) // PARTS // n):
+        gather = gather_each(shard)
+
+        def once(gather: Callable[[], Any] = gather) -> None:
+            gather().wait()
+
+        seconds.append(_best(once, repeats, sync))
+        moved.append(PARTS * shard * n * 4 * (n - 1) / n)
+    bw = (moved[1] - moved[0]) / max(seconds[1] - seconds[0], 1e-9)
+    return {"latency": latency, "intra_bw": bw}
+
+
+def _busy_latency(each: Callable[[], Any], repeats: int) -> float:
+    """gloo's latency per gathered tensor in a step: rounds of a module's gather
+    issued, ``BUSY_S`` of compute, the wait; less the compute alone, per tensor.
+
+    Why not the bare loop's: in a step every core is busy computing when gloo's
+    threads need one, and a collective waits for its peers' threads to be
+    scheduled. On the 2-core development machine a gathered tensor cost 0.53 to
+    0.67 ms at 2 ranks against 0.41 to 0.48 bare, and the tiny GPT's real
+    2-rank steps paid about 0.7 a tensor beyond their compute; at 4 ranks (two a
+    core) the two were about the same, 2.3 to 2.7 ms (2026-12-04, docs/scaling.md)."""
+    a = torch.randn(128, 128)
+    products = 50
+    per = _best(lambda: [torch.mm(a, a) for _ in range(products)], 3, lambda: None) / products
+    count = max(1, int(BUSY_S / per))
+
+    def busy() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    def alone() -> None:
         for _ in range(ROUNDS):
-            each()
+            busy()
 
-    latency = _median(several, max(repeats, 9), sync) / ROUNDS
-    if dev.type == "cpu":
-        latency /= PARTS
-    numel = 1 << 22
-    big = _best(gather(numel), repeats, sync)
-    moved = numel * 4 * (n - 1) / n
-    return {"latency": latency, "intra_bw": moved / max(big - latency, 1e-9)}
+    def beside() -> None:
+        for _ in range(ROUNDS):
+            pending = each()
+            busy()
+            pending.wait()
+
+    compute = _median(alone, repeats, lambda: None)
+    each().wait()  # the ranks together again before they are timed together
+    both = _median(beside, repeats, lambda: None)
+    return max(both - compute, 0.0) / ROUNDS / PARTS
 
 
 def _dtensor_overhead(
