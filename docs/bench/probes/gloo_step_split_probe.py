@@ -6,7 +6,10 @@ and bytes over the calibrated bus (the communication), one after the other.
 When a row misses, this says which side: the same model, policy and batch as
 ``plan --measure`` (``planner.setup``), on real gloo ranks, with
 ``collectives.Pending.wait`` and the gather and reduce-scatter entries timed
-on each rank, median over 9 steps after 2.
+on each rank, median over 9 steps after 2. Each rank also reports the CPU
+time of the thread that runs the step and of the whole process: the
+difference is gloo's threads (and the kernel's work for its sockets, charged
+to them).
 
 Run: PYTHONPATH=src python docs/bench/probes/gloo_step_split_probe.py MODEL BATCH MP AC [WORLD]
 (e.g. ``tiny 8 bf16 none``; WORLD ranks, default 2, sequence 128; each rank prints).
@@ -77,13 +80,21 @@ def work(rank: int, world: int, port: int, model_name: str, batch: int, mpm: str
     for _ in range(9):
         acc.update(wait=0.0, issue=0.0, n=0)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, main0, all0 = time.perf_counter(), time.thread_time(), time.process_time()
         step()
-        rows.append((time.perf_counter() - t0, acc["wait"], acc["issue"], acc["n"]))
-    total, waits, issues = (1e3 * statistics.median(r[i] for r in rows) for i in range(3))
+        wall, main, cpu = (
+            time.perf_counter() - t0,
+            time.thread_time() - main0,
+            time.process_time() - all0,
+        )
+        rows.append((wall, acc["wait"], acc["issue"], main, cpu, acc["n"]))
+    total, waits, issues, main, cpu = (
+        1e3 * statistics.median(r[i] for r in rows) for i in range(5)
+    )
     print(
         f"rank {rank}: step {total:.1f} ms, in waits {waits:.1f}, in issue {issues:.1f}, "
-        f"rest {total - waits - issues:.1f} ({rows[0][3]} waits a step)",
+        f"rest {total - waits - issues:.1f} ({rows[0][5]} waits a step); CPU time: the "
+        f"step's thread {main:.1f}, the process {cpu:.1f} (gloo's threads {cpu - main:.1f})",
         flush=True,
     )
     dist.destroy_process_group()

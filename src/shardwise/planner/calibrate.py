@@ -213,10 +213,12 @@ def _collective_rates(
         latency = _median(several, max(repeats, 9), sync) / ROUNDS
     # The bus from two sizes' difference, so that no latency is in it (subtracting
     # one from a single size put the 4-rank bus anywhere from 0.6 to 2.8 GB/s,
-    # 2026-12-04): 4 and 16 MiB of fp32 output in all, about a block's gather in
-    # the CPU rows.
+    # 2026-12-04): on a CPU 4 and 16 MiB of fp32 output in all, about a block's
+    # gather in the CPU rows; on GPUs 256 MiB and 1 GiB, where NVLink moves 16 MiB
+    # in tens of microseconds.
+    sizes = (1 << 20, 1 << 22) if cpu else (1 << 26, 1 << 28)
     seconds, moved = [], []
-    for shard in ((1 << 20) // PARTS // n, (1 << 22) // PARTS // n):
+    for shard in (size // PARTS // n for size in sizes):
         gather = gather_each(shard)
 
         def once(gather: Callable[[], Any] = gather) -> None:
