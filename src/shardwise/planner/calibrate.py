@@ -2,15 +2,15 @@
 
 Why micro-benchmarks and not a fitted step: the planner's error is judged
 against measured steps, so the rates must come from somewhere else. Each
-figure is the best of a few repeats of one kind of work (gloo's latency the
-median of sustained rounds, below): a linear layer's forward and backward
+figure is the best of a few repeats of one kind of work (a collective's
+latency the median of rounds, on a CPU rounds beside compute, below): a linear layer's forward and backward
 (FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
 tiny add (the fixed cost of one operator), a view, and an add on a DTensor
 (its Python dispatch), torch's AdamW stepping host fp32 parameters (an
 offloaded optimizer, on the host's threads whatever the device), on a GPU
 the bytes cuBLAS keeps per thread that multiplies, and, in a
-process group of several ranks, an all-gather over them (latency and bus
-bandwidth inside one node). Across nodes is left to the caller (it depends
+process group of several ranks, an all-gather over them as the runtime
+issues it (latency and bus bandwidth inside one node). Across nodes is left to the caller (it depends
 on the links).
 
 Why a linear layer and not one square product: a training step's matrix
@@ -115,6 +115,11 @@ ROUNDS = 20
 # and 5 ms the latency came out within 15% of each other; at 10 to 20 ms it fell by
 # 30 to 60% (the gathers then finish inside the compute), 2026-12-04.
 BUSY_S = 3e-3
+# Pairs of rounds timed for it, after a few untimed: one pair's figure ranged from
+# 0.3 to 1.3 ms a tensor at 2 ranks, and the median of 9 from 0.43 to 0.82 ms
+# between calls; of 36, from 0.58 to 0.77 (2026-12-04).
+BUSY_PAIRS = 36
+BUSY_WARM = 3
 
 # (tokens, in, out): a transformer MLP's up projection at sizes each device trains.
 CPU_LINEAR = (512, 512, 2048)
@@ -203,7 +208,7 @@ def _collective_rates(
 
     each = gather_each(8)
     if cpu:
-        latency = _busy_latency(each, max(repeats, 9))
+        latency = _busy_latency(each, BUSY_PAIRS)
     else:
 
         def several() -> None:  # sustained, as a step issues them: not one lucky round
@@ -259,10 +264,22 @@ def _busy_latency(each: Callable[[], Any], repeats: int) -> float:
             busy()
             pending.wait()
 
-    compute = _median(alone, repeats, lambda: None)
-    each().wait()  # the ranks together again before they are timed together
-    both = _median(beside, repeats, lambda: None)
-    return max(both - compute, 0.0) / ROUNDS / PARTS
+    # In pairs, the compute alone then beside the gathers, and the median of the
+    # pairs' differences: the machine's speed moves between minutes, and two
+    # medians taken apart put the 2-rank latency anywhere from 0.57 to 0.86 ms
+    # within one hour (2026-12-04), where the real steps paid 0.59 to 0.73.
+    for _ in range(BUSY_WARM):  # gloo's threads and sockets, the products' caches
+        beside()
+    differences = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        alone()
+        t1 = time.perf_counter()
+        each().wait()  # the ranks together again before they are timed together
+        t2 = time.perf_counter()
+        beside()
+        differences.append((time.perf_counter() - t2) - (t1 - t0))
+    return max(statistics.median(differences), 0.0) / ROUNDS / PARTS
 
 
 def _dtensor_overhead(
