@@ -3,15 +3,15 @@
 Why micro-benchmarks and not a fitted step: the planner's error is judged
 against measured steps, so the rates must come from somewhere else. Each
 figure is the best of a few repeats of one kind of work (a collective's
-latency the median of rounds, on a CPU rounds beside compute, below): a linear layer's forward and backward
-(FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
+latency a median, on a CPU of rounds beside compute, below): a linear
+layer's forward and backward (FLOP/s, in fp32 and bf16), a large element-wise add (bytes/s), a
 tiny add (the fixed cost of one operator), a view, and an add on a DTensor
 (its Python dispatch), torch's AdamW stepping host fp32 parameters (an
 offloaded optimizer, on the host's threads whatever the device), on a GPU
 the bytes cuBLAS keeps per thread that multiplies, and, in a
 process group of several ranks, an all-gather over them as the runtime
-issues it (latency and bus bandwidth inside one node). Across nodes is left to the caller (it depends
-on the links).
+issues it (latency and bus bandwidth inside one node). Across nodes is left
+to the caller (it depends on the links).
 
 Why a linear layer and not one square product: a training step's matrix
 products come in threes (forward, input gradient, weight gradient) with
@@ -243,8 +243,9 @@ def _busy_latency(each: Callable[[], Any], repeats: int) -> float:
     threads need one, and a collective waits for its peers' threads to be
     scheduled. On the 2-core development machine a gathered tensor cost 0.53 to
     0.67 ms at 2 ranks against 0.41 to 0.48 bare, and the tiny GPT's real
-    2-rank steps paid about 0.7 a tensor beyond their compute; at 4 ranks (two a
-    core) the two were about the same, 2.3 to 2.7 ms (2026-12-04, docs/scaling.md)."""
+    2-rank steps paid 0.6 to 1.0 ms a tensor beyond their compute (by the hour);
+    at 4 ranks (two a core) the two were about the same, 2.3 to 2.7 ms
+    (2026-12-04, docs/scaling.md)."""
     a = torch.randn(128, 128)
     products = 50
     per = _best(lambda: [torch.mm(a, a) for _ in range(products)], 3, lambda: None) / products
@@ -264,10 +265,8 @@ def _busy_latency(each: Callable[[], Any], repeats: int) -> float:
             busy()
             pending.wait()
 
-    # In pairs, the compute alone then beside the gathers, and the median of the
-    # pairs' differences: the machine's speed moves between minutes, and two
-    # medians taken apart put the 2-rank latency anywhere from 0.57 to 0.86 ms
-    # within one hour (2026-12-04), where the real steps paid 0.59 to 0.73.
+    # In pairs, the compute alone then beside the gathers, so that each difference
+    # is of two timings a moment apart; the median of the differences (BUSY_PAIRS).
     for _ in range(BUSY_WARM):  # gloo's threads and sockets, the products' caches
         beside()
     differences = []
