@@ -124,7 +124,9 @@ H200 = Hardware(
 # The 2-core development machine the CPU rows of docs/scaling.md were measured
 # on: calibrate("cpu") by 2 gloo ranks of 1 thread at once on a quiet machine
 # (2026-12-02, docs/bench/cpu_rates_20261202.json). bf16 products are slow here
-# (no native bf16): 2.1 GFLOP/s against 33 in fp32.
+# (no native bf16): 2.1 GFLOP/s against 33 in fp32. Its gloo latency and bus are a
+# back-to-back loop's and one flat gather's; calibrate() since cc88ed5 takes them
+# beside compute and from per-tensor gathers (docs/scaling.md, "CPU time").
 THIS_CPU = Hardware(
     name="cpu",
     matmul_flops=2.15e9,
