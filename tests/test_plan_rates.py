@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -246,8 +247,6 @@ class _Wire:
         self.latency, self.bw = latency, bw
 
     def all_gather_each(self, outs: list[torch.Tensor], inps: list[torch.Tensor], *_: object):
-        import time
-
         moved = sum(o.numel() * o.element_size() for o in outs) / 2  # (n-1)/n at 2 ranks
         done = time.perf_counter() + len(outs) * self.latency + moved / self.bw
 
@@ -273,6 +272,17 @@ def test_a_cpu_calibration_takes_the_bus_from_two_sizes_and_the_latency_beside_c
     monkeypatch.setattr(collectives, "all_gather_each", wire.all_gather_each)
     monkeypatch.setattr(collectives, "world_size", lambda group=None: 2)
     monkeypatch.setattr(calibrate, "BUSY_PAIRS", 5)  # a sleeping wire needs no more
+
+    def spin(seconds: float):  # exactly ``seconds`` of a busy core, however loaded it is
+        def busy() -> None:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+        return busy
+
+    # The products' time moves with the machine's load; the arithmetic under test does not.
+    monkeypatch.setattr(calibrate, "_products", spin)
 
     class Mesh:
         def get_group(self) -> None:

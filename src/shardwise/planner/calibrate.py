@@ -246,14 +246,7 @@ def _busy_latency(each: Callable[[], Any], repeats: int) -> float:
     2-rank steps paid 0.6 to 1.0 ms a tensor beyond their compute (by the hour);
     at 4 ranks (two a core) the two were about the same, 2.3 to 2.7 ms
     (2026-12-04, docs/scaling.md)."""
-    a = torch.randn(128, 128)
-    products = 50
-    per = _best(lambda: [torch.mm(a, a) for _ in range(products)], 3, lambda: None) / products
-    count = max(1, int(BUSY_S / per))
-
-    def busy() -> None:
-        for _ in range(count):
-            torch.mm(a, a)
+    busy = _products(BUSY_S)
 
     def alone() -> None:
         for _ in range(ROUNDS):
@@ -279,6 +272,21 @@ def _busy_latency(each: Callable[[], Any], repeats: int) -> float:
         beside()
         differences.append((time.perf_counter() - t2) - (t1 - t0))
     return max(statistics.median(differences), 0.0) / ROUNDS / PARTS
+
+
+def _products(seconds: float) -> Callable[[], None]:
+    """About ``seconds`` of small matrix products on this thread: a step's compute,
+    which keeps the core busy where a sleep would leave it to gloo's threads."""
+    a = torch.randn(128, 128)
+    products = 50
+    per = _best(lambda: [torch.mm(a, a) for _ in range(products)], 3, lambda: None) / products
+    count = max(1, int(seconds / per))
+
+    def busy() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+
+    return busy
 
 
 def _dtensor_overhead(
