@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import statistics
 from concurrent.futures import ProcessPoolExecutor
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from cli_helpers import shardwise
+from shardwise_app.cli.plan_measure import CPU_TIMED_S, TIMED_STEPS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -151,6 +153,10 @@ def test_predicted_peak_within_3_percent_of_gloo_ranks(
     assert m["step_ms_per_launch"] == [max(r) for r in runs]
     assert m["step_ms"] == statistics.median(m["step_ms_per_launch"])
     assert m["step_ms_per_rank"] == [statistics.median(r) for r in zip(*runs)]
+    # A launch times at least TIMED_STEPS, and on a CPU as many as CPU_TIMED_S takes at
+    # the slowest rank's first step's pace (the last launch's steps are kept).
+    wanted = math.ceil(CPU_TIMED_S * 1e3 / m["first_step_ms_slowest"])
+    assert len(m["steps_ms"]) == max(TIMED_STEPS, wanted), (len(m["steps_ms"]), wanted)
 
 
 STATES = ("sharded_params", "grads", "optimizer_state")

@@ -13,8 +13,9 @@ the second step (the first makes the optimizer state). On the CPU the step
 time comes from launches that never profile (a
 profiled start left later steps up to 40% slower, 2026-12-02: the
 allocator's state it leaves): in each, ``WARM_STEPS`` untimed, then the
-median of ``TIMED_STEPS``, every rank starting each together, the slowest
-rank's median; the figure is the median over ``TIMING_LAUNCHES`` launches.
+median of ``TIMED_STEPS`` (on a CPU, of as many more as ``CPU_TIMED_S``
+takes), every rank starting each together, the slowest rank's median; the
+figure is the median over ``TIMING_LAUNCHES`` launches.
 On a GPU, which nothing profiles, the same steps follow the peak's in one
 launch. ``--launches N`` sets how many launches the step time is the median
 of (on a GPU the first is the peak's).
@@ -23,6 +24,7 @@ of (on a GPU the first is the peak's).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -34,6 +36,14 @@ from .main import Launch, UsageError, check_nproc, in_worker, init_worker, launc
 
 WARM_STEPS = 2
 TIMED_STEPS = 7
+# On a CPU, at least this long of timed steps. One gloo step is one draw of how
+# its threads got the cores: the tiny GPT's steps at 2 ranks spread 14 ms about
+# a 140 ms median, within a launch, and the medians of 7 moved from launch to
+# launch by about what that sampling gives (6.7 ms, 5.2 from the sampling alone,
+# 16 launches on the 2-core machine, 2026-12-04). Short steps are the ones whose
+# medians move most; 3 s times about 20 of them and leaves steps of 0.4 s or
+# more at 7.
+CPU_TIMED_S = 3.0
 # A launch's steps move together (on the 2-core machine a launch's median sat up
 # to 20% from the next one's, 2026-12-02): the median of three launches' figures.
 TIMING_LAUNCHES = 3
@@ -224,8 +234,7 @@ def _time_steps(step: Any, model: Any, opt: Any, data: Any, cuda: bool) -> dict[
 
     from shardwise import collectives
 
-    times = []
-    for i in range(WARM_STEPS - 1 + TIMED_STEPS):  # a first step was taken
+    def timed() -> float:
         dist.barrier()
         if cuda:
             torch.cuda.synchronize()
@@ -233,10 +242,19 @@ def _time_steps(step: Any, model: Any, opt: Any, data: Any, cuda: bool) -> dict[
         step(model, opt, data)
         if cuda:
             torch.cuda.synchronize()
-        if i >= WARM_STEPS - 1:
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    for _ in range(WARM_STEPS - 1):  # a first step was taken
+        timed()
+    times = [timed()]
+    count, first = TIMED_STEPS, None
+    if not cuda:  # every rank must take as many: the count from the slowest's first
+        first = max(collectives.all_gather_objects(times[0]))
+        count = max(TIMED_STEPS, math.ceil(CPU_TIMED_S / max(first, 1e-6)))
+    times += [timed() for _ in range(count - 1)]
     medians = collectives.all_gather_objects(statistics.median(times))
     return {
+        **({"first_step_ms_slowest": 1e3 * first} if first is not None else {}),
         "step_ms": 1e3 * max(medians),
         "step_ms_per_rank": [1e3 * m for m in medians],
         "steps_ms": [1e3 * t for t in times],
