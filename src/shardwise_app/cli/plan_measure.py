@@ -40,7 +40,8 @@ TIMED_STEPS = 7
 # its threads got the cores: the tiny GPT's steps at 2 ranks spread 14 ms about
 # a 140 ms median, within a launch, and the medians of 7 moved from launch to
 # launch by about what that sampling gives (6.7 ms, 5.2 from the sampling alone,
-# 16 launches on the 2-core machine, 2026-12-04). Short steps are the ones whose
+# 16 launches on the 2-core machine, pinning each rank to a core or not alike:
+# docs/bench/gloo_step_sampling_20261204.txt). Short steps are the ones whose
 # medians move most; 3 s times about 20 of them and leaves steps of 0.4 s or
 # more at 7.
 CPU_TIMED_S = 3.0
