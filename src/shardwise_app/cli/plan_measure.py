@@ -45,7 +45,7 @@ TIMED_STEPS = 7
 # medians move most; 3 s times about 20 of them and leaves steps of 0.4 s or
 # more at 7.
 CPU_TIMED_S = 3.0
-# A launch's steps move together (on the 2-core machine a launch's median sat up
+# Launches differ (on the 2-core machine a launch's median sat up
 # to 20% from the next one's, 2026-12-02): the median of three launches' figures.
 TIMING_LAUNCHES = 3
 
