@@ -435,6 +435,7 @@ def test_a_suite_timing_on_this_machine_pairs_each_prediction_with_a_launch_afte
         plan = {
             "step_ms": step,
             "peak_bytes": 2**25,
+            "peak_bytes_in_step": 2**25,
             "peak_bytes_drifting": 2**25,
             "peak_where": {"phase": "backward", "module": "blocks.0"},
             "time": {"compute_ms": step - 10, "comm_ms": 10.0},

@@ -44,12 +44,16 @@ class Plan:
     policy: Policy
     hardware: Hardware
     n_params: int
-    # Device bytes, allocator rounding included. On gloo (a CPU target) with the
-    # ranks in step, each gather's buffer freed as it finishes; ranks that drift
-    # apart hold those buffers to the wait and reach ``peak_bytes_drifting``
-    # (timeline.staging_live). A launch lies between the two by its ranks' timing,
-    # mostly at the first (2026-12-03, docs/scaling.md). Equal elsewhere.
+    # Device bytes, allocator rounding included. On gloo (a CPU target) a launch's
+    # peak lies between two ends by which of gloo's buffers are live when it peaks
+    # (timeline.staging_live): ``peak_bytes_in_step``, ranks in step, each gathered
+    # tensor's buffer freed as it runs, and ``peak_bytes_drifting``, ranks drifting
+    # apart, gloo's threads holding the largest two to the wait, which no launch
+    # measured more than 0.6 MiB over (2026-12-04, docs/scaling.md). ``peak_bytes``
+    # is their middle, within half the range of any launch between them. Equal
+    # elsewhere.
     peak_bytes: int
+    peak_bytes_in_step: int
     peak_bytes_drifting: int
     peak_phase: str  # "forward" | "backward" | "optimizer"
     peak_module: str
@@ -77,6 +81,7 @@ class Plan:
             "n_params": self.n_params,
             "peak_bytes": self.peak_bytes,
             "peak_gib": self.peak_bytes / GIB,
+            "peak_bytes_in_step": self.peak_bytes_in_step,
             "peak_bytes_drifting": self.peak_bytes_drifting,
             "peak_where": {"phase": self.peak_phase, "module": self.peak_module},
             "peak_by_kind": self.peak_by_kind,
@@ -233,6 +238,7 @@ def plan(
         hardware=hardware,
         n_params=sim.n_params,
         peak_bytes=sim.peak_bytes,
+        peak_bytes_in_step=sim.peak_bytes_in_step,
         peak_bytes_drifting=sim.peak_bytes_drifting,
         peak_phase=sim.peak_phase,
         peak_module=sim.peak_module,

@@ -46,7 +46,10 @@ class Simulation:
     events: list[Event]
     peak_bytes: int
     peak_index: int
-    peak_bytes_drifting: int  # gloo ranks that drift apart (timeline.staging_live)
+    # On gloo (a CPU target) the peak is the middle of two ends, ranks in step and
+    # ranks that drift apart (timeline.staging_live); elsewhere the three are equal.
+    peak_bytes_in_step: int
+    peak_bytes_drifting: int
     peak_phase: str
     peak_module: str
     by_kind: dict[str, int]
@@ -175,7 +178,8 @@ def simulate(
                     group=rec.group_size,
                     key=key,
                     numel=rec.numel // max(1, rec.group_size),
-                    staging=staging,
+                    staging=sum(staging),
+                    staging_parts=staging,
                     parts=rec.parts,
                 )
 
@@ -191,7 +195,7 @@ def simulate(
             host: dict[str, int] = {}
             stop_at = -1
             host_peak = 0
-            peak_drifting = 0
+            peak_drifting = half = 0
             # Made in the first step's forward and backward, live through every later one.
             workspaces = hw.blas_workspace * BLAS_THREADS if hw.device == "cuda" else 0
             counting = False
@@ -226,17 +230,20 @@ def simulate(
                     if recording:
                         assert tracker.events is not None
                         events = tracker.events
-                        # gloo's buffers as ranks in step hold them: what launches
-                        # mostly measured; ranks drifting apart hold more (timeline.py).
+                        # gloo's buffers as ranks in step hold them; ranks drifting
+                        # apart hold more (timeline.py). The plan's peak is the middle
+                        # of the two, its breakdown the in-step peak's with the half
+                        # added to gloo's buffers.
                         staging = staging_live(events, in_step=True)
                         for e, extra in zip(events, staging):
                             e.live += extra + workspaces
                         peak_index = max(range(len(events)), key=lambda i: events[i].live)
                         more = [a - b for a, b in zip(staging_live(events), staging)]
                         peak_drifting = max(e.live + d for e, d in zip(events, more))
+                        half = (peak_drifting - events[peak_index].live) // 2
                         stop_at = peak_index
                         host_peak = tracker.host_peak
-                        tracker.staging_now = staging[peak_index]
+                        tracker.staging_now = staging[peak_index] + half
                     if stopped:
                         break
             finally:
@@ -246,8 +253,9 @@ def simulate(
     at = events[peak_index]
     return Simulation(
         events=events,
-        peak_bytes=at.live,
+        peak_bytes=at.live + half,
         peak_index=peak_index,
+        peak_bytes_in_step=at.live,
         peak_bytes_drifting=peak_drifting,
         peak_phase=at.phase,
         peak_module=at.module,

@@ -168,30 +168,52 @@ def replay(
     )
 
 
+# gloo's worker threads per process group (ProcessGroupGloo's default options: two a
+# device): at most this many of its collectives run at once, each gathered tensor one.
+GLOO_THREADS = 2
+
+
 def staging_live(events: list[Event], in_step: bool = False) -> list[int]:
     """Per event, the bytes of gloo's own buffers live then: a reduce-scatter's
     clone of its input, which the work handle holds from the issue until the
-    runtime releases it at the wait, and an all-gather's flat buffer, which
-    lives while gloo's thread runs the gather. That thread waits for the
-    slowest rank, so the buffer lives at most until the wait (ranks that drift
-    apart: the default) and at least while the gather runs once every rank has
-    issued it (``in_step``: ranks that keep together, whose gathers finish
-    long before the compute between issue and wait does). Which one a launch
-    sees is its ranks' timing: the checkpointed small GPT on 2 gloo ranks
-    peaked at the in-step figure in six launches and at the drifting one in
-    two; over four invocations of the CPU suite the in-step figure was within
-    3% on 42 of 48 rows, the drifting one on 29 (2026-12-03, docs/scaling.md)."""
+    runtime releases it at the wait, and a gathered tensor's flat buffer, which
+    lives while one of gloo's threads runs that tensor's gather.
+
+    A module's gather is one gloo collective per tensor (collectives.py), queued
+    on the group's ``GLOO_THREADS`` threads, so at most that many flat buffers
+    live at once, and each until its gather is done, which waits for the
+    slowest rank. Ranks in step (``in_step``) finish their gathers while the
+    next operators run: the buffers are counted at the issue only. Ranks that
+    drift apart (the default) keep gathers in flight up to the wait: then the
+    largest ``GLOO_THREADS`` tensors of the gathers issued and not yet waited
+    for (at the issue itself, no less than in step). A launch lies between the
+    two by which tensors are in flight when it peaks: the checkpointed small GPT
+    at 4 gloo ranks measured from its in-step figure to 4.5 MiB over it in 25
+    runs, two of its MLP's 2.25 MiB matrices (2026-12-04, docs/scaling.md),
+    where holding a module's every buffer to the wait said 6.75."""
     extra = [0] * len(events)
     waited: dict[int, int] = {}
     for i, e in enumerate(events):
         if e.kind == "wait":
             waited.setdefault(e.key, i)
+    gathers: list[tuple[int, int, tuple[int, ...]]] = []  # issue, wait, each tensor's bytes
     for i, e in enumerate(events):
         if e.kind != "issue" or not e.staging:
             continue
-        until = waited.get(e.key, len(events))
-        if in_step and e.coll == "all_gather":
-            until = i + 1
-        for j in range(i, max(i + 1, until)):
+        if e.coll == "all_gather":
+            extra[i] += e.staging
+            gathers.append((i, waited.get(e.key, len(events)), e.staging_parts or (e.staging,)))
+            continue
+        for j in range(i, max(i + 1, waited.get(e.key, len(events)))):
             extra[j] += e.staging
+    if in_step:
+        return extra
+    pending: list[tuple[int, int, tuple[int, ...]]] = []
+    for j, e in enumerate(events):
+        while gathers and gathers[0][0] <= j:
+            pending.append(gathers.pop(0))
+        pending = [g for g in pending if j < g[1]]
+        flight = sorted(p for _, _, parts in pending for p in parts)[-GLOO_THREADS:]
+        here = e.staging if e.kind == "issue" and e.coll == "all_gather" else 0
+        extra[j] += max(0, sum(flight) - here)
     return extra

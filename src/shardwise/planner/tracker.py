@@ -60,7 +60,8 @@ class Event:
     key: int = 0
     numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
     dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
-    staging: int = 0  # issue: gloo's staging buffer, live while the collective runs
+    staging: int = 0  # issue: gloo's staging buffers, live while the collective runs
+    staging_parts: tuple[int, ...] = ()  # issue: each gathered tensor's (gloo runs each apart)
     parts: int = 1  # issue: tensors gathered (gloo: each a collective of its own)
     transfer: int = 0  # op: bytes crossing between host and device (offload's copies)
     to_host: bool = False  # op: the transfer is a download (else an upload)
@@ -117,11 +118,12 @@ class Tracker(TorchDispatchMode):
         self.staging_now = 0  # at a snapshot: staging buffers live then
         self.record_calls = False  # keep each operator's call, to be timed (op_costs.py)
 
-    def take_staging(self) -> int:
-        """Bytes of gloo staging of the collective just issued."""
-        n = sum(self.unbound)
+    def take_staging(self) -> tuple[int, ...]:
+        """Bytes of gloo staging of the collective just issued, one figure per
+        collective gloo runs (a gather of several tensors is one per tensor)."""
+        parts = tuple(self.unbound)
         self.unbound.clear()
-        return n
+        return parts
 
     # ---- storages ---------------------------------------------------------------------------
 

@@ -228,8 +228,10 @@ def print_plan(p: Any, title: str) -> None:
     for kind, n in sorted(p.peak_by_kind.items(), key=lambda kv: -kv[1]):
         t.add_row(kind, gib(n))
     t.add_row("[bold]peak[/bold]", f"[bold]{gib(p.peak_bytes)}[/bold]")
-    if p.peak_bytes_drifting != p.peak_bytes:
-        # gloo holds a gather's buffer until the slowest rank has issued it
+    if p.peak_bytes_drifting != p.peak_bytes_in_step:
+        # gloo: which of its buffers are live at the peak is the ranks' timing; the
+        # peak above is the middle of these two
+        t.add_row("peak if the ranks keep in step", gib(p.peak_bytes_in_step))
         t.add_row("peak if the ranks drift apart", gib(p.peak_bytes_drifting))
     t.add_row("reached in", f"{p.peak_phase} {p.peak_module}".strip())
     for kind, n in p.host_bytes.items():

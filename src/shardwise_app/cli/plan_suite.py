@@ -306,6 +306,8 @@ def _summary(d: dict[str, Any]) -> dict[str, Any]:
         "predicted_peak_bytes": d["peak_bytes"],
         "measured_peak_bytes": peak,
         "peak_error_pct": 100.0 * (d["peak_bytes"] - peak) / peak,
+        "predicted_peak_in_step_bytes": d["peak_bytes_in_step"],
+        "peak_in_step_error_pct": 100.0 * (d["peak_bytes_in_step"] - peak) / peak,
         "predicted_peak_drifting_bytes": d["peak_bytes_drifting"],
         "peak_drifting_error_pct": 100.0 * (d["peak_bytes_drifting"] - peak) / peak,
         "predicted_step_ms": d["step_ms"],
@@ -367,8 +369,11 @@ def _line(r: dict[str, Any]) -> str:
     if "measured_peak_bytes" not in r:
         return f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**30:.2f} GiB, step {r['predicted_step_ms']:.0f} ms"
     drifting = ""
-    if r["predicted_peak_drifting_bytes"] != r["predicted_peak_bytes"]:
-        drifting = f"; ranks drifting {r['peak_drifting_error_pct']:+.1f}%"
+    if r["predicted_peak_drifting_bytes"] != r["predicted_peak_in_step_bytes"]:
+        drifting = (
+            f"; ranks in step {r['peak_in_step_error_pct']:+.1f}%,"
+            f" drifting {r['peak_drifting_error_pct']:+.1f}%"
+        )
     return (
         f"{r['argv']}: peak {r['predicted_peak_bytes'] / 2**20:.1f} vs "
         f"{r['measured_peak_bytes'] / 2**20:.1f} MiB ({r['peak_error_pct']:+.1f}%{drifting}), step "
@@ -377,10 +382,18 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The suite's table. On gloo a row's peak has two predictions, ranks in step (the
-    plan's peak) and ranks drifting apart (Plan.peak_bytes_drifting), each with its error."""
+    """The suite's table. On gloo a row's peak lies between two ends, ranks in step and
+    ranks drifting apart (Plan.peak_bytes_in_step, peak_bytes_drifting), each given
+    with its error; the plan's peak is their middle."""
     gloo = any(r.get("device") == "cpu" for r in rows)
-    extra = (" ranks drifting MiB | error |", " ---: | ---: |") if gloo else ("", "")
+    extra = (
+        (
+            " ranks in step MiB | error | ranks drifting MiB | error |",
+            " ---: | ---: | ---: | ---: |",
+        )
+        if gloo
+        else ("", "")
+    )
     lines = [
         "| configuration | peak predicted MiB | measured MiB | error |" + extra[0]
         + " step predicted ms | measured ms | error |",
@@ -388,9 +401,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     ]  # fmt: skip
     for r in rows:
         if "failed" in r:
-            lines.append(f"| `{r['argv']}` | failed: {r['failed']} |" + " |" * (7 if gloo else 5))
+            lines.append(f"| `{r['argv']}` | failed: {r['failed']} |" + " |" * (9 if gloo else 5))
             continue
         drifting = (
+            f" {r['predicted_peak_in_step_bytes'] / 2**20:.2f} | {r['peak_in_step_error_pct']:+.1f}% |"
             f" {r['predicted_peak_drifting_bytes'] / 2**20:.2f} | {r['peak_drifting_error_pct']:+.1f}% |"
             if gloo
             else ""
