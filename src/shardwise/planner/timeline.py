@@ -188,7 +188,7 @@ def staging_live(events: list[Event], in_step: bool = False) -> list[int]:
     largest ``GLOO_THREADS`` tensors of the gathers issued and not yet waited
     for (at the issue itself, no less than in step). A launch lies between the
     two by which tensors are in flight when it peaks: the checkpointed small GPT
-    at 4 gloo ranks measured from its in-step figure to 4.5 MiB over it in 25
+    at 4 gloo ranks measured from its in-step figure to 4.5 MiB over it in 30
     runs, two of its MLP's 2.25 MiB matrices (2026-12-04, docs/scaling.md),
     where holding a module's every buffer to the wait said 6.75."""
     extra = [0] * len(events)
@@ -209,9 +209,11 @@ def staging_live(events: list[Event], in_step: bool = False) -> list[int]:
     if in_step:
         return extra
     pending: list[tuple[int, int, tuple[int, ...]]] = []
+    issued = 0  # gathers[:issued] have been issued by event j
     for j, e in enumerate(events):
-        while gathers and gathers[0][0] <= j:
-            pending.append(gathers.pop(0))
+        while issued < len(gathers) and gathers[issued][0] <= j:
+            pending.append(gathers[issued])
+            issued += 1
         pending = [g for g in pending if j < g[1]]
         flight = sorted(p for _, _, parts in pending for p in parts)[-GLOO_THREADS:]
         here = e.staging if e.kind == "issue" and e.coll == "all_gather" else 0
