@@ -135,6 +135,14 @@ def test_one_gpu_copies_run_beside_compute_a_cpu_copies_on_its_core() -> None:
             assert t.step_s == pytest.approx(3.0) and t.exposed_comm_s == 0.0
 
 
+def _memory_and_marks(prof: Any) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """A CPU profile's allocations and frees (time, bytes) in time order, and when
+    each ``record_function`` mark ended."""
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    return memory, {e.name(): e.end_ns() for e in events if e.name() != "[memory]"}
+
+
 def _gloo_reduce_scatter_memory(rank: int, world: int) -> dict[str, int]:
     """Bytes the CPU allocator holds beyond the tensors we made: while one
     reduce-scatter is in flight, and once it is waited for (its Pending still held).
@@ -158,10 +166,8 @@ def _gloo_reduce_scatter_memory(rank: int, world: int) -> dict[str, int]:
             pending = collectives.reduce_scatter(out, inp, dist.group.WORLD, divide_by=None)
         pending.wait()
         dist.barrier()
-    events = list(prof.profiler.kineto_results.events())
-    end = next(e.end_ns() for e in events if e.name() == "in_flight")
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    marks["in_flight"] = sum(n for t, n in memory if t <= end)
+    memory, ends = _memory_and_marks(prof)
+    marks["in_flight"] = sum(n for t, n in memory if t <= ends["in_flight"])
     marks["waited"] = sum(n for _, n in memory)
     assert pending is not None  # held to the end: its wait alone must free gloo's buffer
     assert torch.equal(out, torch.full((numel,), float(world)))
@@ -204,10 +210,8 @@ def _gloo_gather_memory(rank: int, world: int, numels: list[int]) -> dict[str, i
         pending.wait()
         time.sleep(0.05)  # gloo's threads let go of their buffers
         dist.barrier()
-    events = list(prof.profiler.kineto_results.events())
-    issued = next(e.end_ns() for e in events if e.name() == "issue")
-    end = next(e.end_ns() for e in events if e.name() == "in_flight")
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    memory, ends = _memory_and_marks(prof)
+    issued, end = ends["issue"], ends["in_flight"]
     live, most, after, in_flight = 0, 0, 0, 0
     for t, n in memory:
         live += n

@@ -24,7 +24,7 @@ from typing import Any
 
 from shardwise.planner import Policy
 from shardwise.planner.policy import Hardware
-from shardwise.planner.simulate import simulate
+from shardwise.planner.simulate import Simulation, simulate
 from shardwise.planner.timeline import comm_seconds, op_seconds, replay
 from shardwise.planner.tracker import Event
 from shardwise_app.cli.plan import resolve_model
@@ -39,14 +39,20 @@ def rates(text: str | None) -> dict[int, tuple[float, float]]:
     return out
 
 
-def recorded(argv: str, hw: Hardware) -> list[Event]:
-    """The row's step as the planner records it (``simulate``, as ``plan`` calls it)."""
+def simulated(argv: str, hw: Hardware) -> Simulation:
+    """A suite row's step as the planner simulates it (``simulate``, as ``plan`` calls
+    it); gloo_gather_bound_probe.py takes its peaks from here too."""
     a = argv.split()
     opt = {a[i]: a[i + 1] for i in range(0, len(a) - 1, 2) if a[i].startswith("--")}
     build, _ = resolve_model(opt["--model"], int(opt["--seq-len"]))
     policy = Policy(opt.get("--mp", "none"), opt["--ac"])
     world, batch, seq = (int(opt[k]) for k in ("--world-size", "--batch-size", "--seq-len"))
-    return simulate(build, world, policy, hw, batch, seq).events
+    return simulate(build, world, policy, hw, batch, seq)
+
+
+def recorded(argv: str, hw: Hardware) -> list[Event]:
+    """The row's step as the planner records it."""
+    return simulated(argv, hw).events
 
 
 def op_scale(events: list[Event], hw: Hardware, compute_s: float) -> float:

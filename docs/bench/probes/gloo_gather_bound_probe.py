@@ -15,21 +15,15 @@ Run: PYTHONPATH=src python docs/bench/probes/gloo_gather_bound_probe.py SUITE.js
 import json
 import sys
 
-from shardwise.planner import Policy
+from cpu_comm_replay_probe import simulated  # beside this file
+
 from shardwise.planner.policy import Hardware
-from shardwise.planner.simulate import simulate
-from shardwise_app.cli.plan import resolve_model
 
 
 def ends(argv: str, hw: Hardware) -> tuple[int, int]:
     """The row's in-step peak and drifting bound, as ``plan`` computes them (the
     order and bytes of the step do not depend on the rates)."""
-    a = argv.split()
-    opt = {a[i]: a[i + 1] for i in range(0, len(a) - 1, 2) if a[i].startswith("--")}
-    build, _ = resolve_model(opt["--model"], int(opt["--seq-len"]))
-    policy = Policy(opt.get("--mp", "none"), opt["--ac"])
-    world, batch, seq = (int(opt[k]) for k in ("--world-size", "--batch-size", "--seq-len"))
-    sim = simulate(build, world, policy, hw, batch, seq)
+    sim = simulated(argv, hw)
     return sim.peak_bytes_in_step, sim.peak_bytes_drifting
 
 
