@@ -125,6 +125,40 @@ def test_budget_picks_the_fastest_policy_that_fits() -> None:
     assert out["narrow"] == "non-reentrant", out
 
 
+def _cpu_budget() -> dict[str, Any]:
+    from shardwise.planner import THIS_CPU, NothingFits, Policy, fastest_within
+    from shardwise_app.models.gpt import GPT, SIZES
+
+    def build() -> Any:
+        return GPT(SIZES["tiny"])
+
+    kw: dict[str, Any] = dict(batch_size=8, seq_len=128, policies=[Policy()], hardware=THIS_CPU)
+    p, _ = fastest_within(build, 2, 1 << 40, **kw)
+    over_middle = (p.peak_bytes + p.peak_bytes_drifting) // 2
+    try:
+        fastest_within(build, 2, over_middle, **kw)
+        rejected = ""
+    except NothingFits as e:
+        rejected = str(e)
+    at_most, _ = fastest_within(build, 2, p.peak_bytes_drifting, **kw)
+    return {
+        "middle": p.peak_bytes,
+        "drifting": p.peak_bytes_drifting,
+        "rejected": rejected,
+        "fits_at_most": at_most.peak_bytes_drifting,
+    }
+
+
+def test_a_cpu_budget_is_judged_by_the_most_a_gloo_launch_may_reach() -> None:
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        out = pool.submit(_cpu_budget).result(timeout=200)
+    # On gloo the plan's peak is the middle of two ends; a budget over the middle but
+    # under the drifting end is one a launch may pass, so nothing fits it.
+    assert out["middle"] < out["drifting"], out
+    assert "no policy fits" in out["rejected"], out
+    assert out["fits_at_most"] == out["drifting"], out
+
+
 # (With checkpointing the tiny GPT's measured peak at 4 ranks sat 1.1 to 2.8%
 # over the prediction in four invocations, 2026-12-03: a launch whose ranks
 # drift apart holds gloo's gather buffers longer (Plan.peak_bytes_drifting).

@@ -298,6 +298,10 @@ def fastest_within(
 ) -> tuple[Plan, list[Plan]]:
     """The fastest predicted policy whose peak fits ``budget_bytes``, and every plan tried.
 
+    A policy fits when its ``peak_bytes_drifting`` does: the most a launch may
+    reach (on gloo, where a launch's peak lies anywhere between the two ends,
+    the upper one; elsewhere it is ``peak_bytes``). A budget is a limit, and
+    the middle can be up to half gloo's range under a launch's peak.
     Raises ``NothingFits`` (a ``ValueError``) naming the smallest peak seen. The
     most frugal candidate (checkpointing, resharding, offload, least prefetch) is
     tried first: if it does not fit, none will, and the search stops there.
@@ -305,17 +309,17 @@ def fastest_within(
     todo = list(policies or candidate_policies(base or Policy()))
     todo.sort(key=_frugality)
     tried = [plan(build, world_size, batch_size=batch_size, seq_len=seq_len, policy=todo[0], **kw)]
-    if tried[0].peak_bytes <= budget_bytes:
+    if tried[0].peak_bytes_drifting <= budget_bytes:
         tried += [
             plan(build, world_size, batch_size=batch_size, seq_len=seq_len, policy=p, **kw)
             for p in todo[1:]
         ]
-    fits = [p for p in tried if p.peak_bytes <= budget_bytes]
+    fits = [p for p in tried if p.peak_bytes_drifting <= budget_bytes]
     if not fits:
-        least = min(tried, key=lambda p: p.peak_bytes)
+        least = min(tried, key=lambda p: p.peak_bytes_drifting)
         raise NothingFits(
             f"no policy fits {budget_bytes / GIB:.2f} GiB per rank: the smallest predicted "
-            f"peak is {least.peak_bytes / GIB:.2f} GiB ({least.policy.label()}); raise the "
-            "budget, the world size, or lower the batch size"
+            f"peak is {least.peak_bytes_drifting / GIB:.2f} GiB ({least.policy.label()}); "
+            "raise the budget, the world size, or lower the batch size"
         )
     return min(fits, key=lambda p: p.time.step_s), tried

@@ -144,10 +144,11 @@ def run_suite(
             row["wall_s"] = time.perf_counter() - t0
             if "failed" not in row:
                 d = median_prediction(plans)
-                if len(plans) > 1:  # pairs: each plan measured one launch
+                paired = len(plans) > 1  # each plan measured one launch
+                if paired:
                     d["measured"] = merged_measurements([p["measured"] for p in plans])
                 row.update(_summary(d) if measure else _prediction(d))
-                if len(plans) > 1:
+                if paired:
                     row.update(_pairs(plans))
             rows.append(row)
             print(_line(row), flush=True)
