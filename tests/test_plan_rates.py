@@ -13,6 +13,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -265,11 +266,44 @@ def test_a_cpu_calibration_takes_the_bus_from_two_sizes_and_the_latency_beside_c
     what a gather adds to a round of ``BUSY_S`` compute it was issued before, per
     tensor: here the wire's latency less the compute that hid it (a bare loop
     would report the wire's whole latency, 1.25 ms a tensor)."""
-    from shardwise import collectives
     from shardwise.planner import calibrate
 
     wire = _Wire(latency=1.25e-3, bw=0.5e9)
-    monkeypatch.setattr(collectives, "all_gather_each", wire.all_gather_each)
+    rates = _calibrated_over(wire.all_gather_each, monkeypatch)
+    assert rates["intra_bw"] == pytest.approx(wire.bw, rel=0.15)
+    hidden = calibrate.BUSY_S / calibrate.PARTS  # 0.375 ms a tensor behind the compute
+    assert rates["latency"] == pytest.approx(wire.latency - hidden, abs=0.2e-3)
+
+
+def test_one_lucky_round_does_not_move_a_cpu_calibrations_bus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round of the large size that comes back at once (a peer's scheduling, on a
+    loaded machine) is one pair of many: the bus is the median of the pairs'
+    differences, where the best of each size took that round and a difference of
+    nothing."""
+    wire = _Wire(latency=0.2e-3, bw=0.5e9)
+    large = 0
+
+    def gather(outs: list[torch.Tensor], inps: list[torch.Tensor], *rest: object):
+        nonlocal large
+        if sum(o.numel() for o in outs) == 1 << 22:  # the large size's output elements
+            large += 1
+            if large == 3:  # timed, past the one untimed round
+                return _Wire(0.0, 1e30).all_gather_each(outs, inps)
+        return wire.all_gather_each(outs, inps, *rest)
+
+    rates = _calibrated_over(gather, monkeypatch)
+    assert large > 3
+    assert rates["intra_bw"] == pytest.approx(wire.bw, rel=0.15)
+
+
+def _calibrated_over(gather: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """``calibrate._collective_rates`` at 2 CPU ranks whose gathers are ``gather``."""
+    from shardwise import collectives
+    from shardwise.planner import calibrate
+
+    monkeypatch.setattr(collectives, "all_gather_each", gather)
     monkeypatch.setattr(collectives, "world_size", lambda group=None: 2)
     monkeypatch.setattr(calibrate, "BUSY_PAIRS", 5)  # a sleeping wire needs no more
 
@@ -288,7 +322,4 @@ def test_a_cpu_calibration_takes_the_bus_from_two_sizes_and_the_latency_beside_c
         def get_group(self) -> None:
             return None
 
-    rates = calibrate._collective_rates(Mesh(), torch.device("cpu"), 3, lambda: None)
-    assert rates["intra_bw"] == pytest.approx(wire.bw, rel=0.15)
-    hidden = calibrate.BUSY_S / calibrate.PARTS  # 0.375 ms a tensor behind the compute
-    assert rates["latency"] == pytest.approx(wire.latency - hidden, abs=0.2e-3)
+    return calibrate._collective_rates(Mesh(), torch.device("cpu"), 3, lambda: None)

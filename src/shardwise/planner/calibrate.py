@@ -222,17 +222,45 @@ def _collective_rates(
     # gather in the CPU rows; on GPUs 256 MiB and 1 GiB, where NVLink moves 16 MiB
     # in tens of microseconds.
     sizes = (1 << 20, 1 << 22) if cpu else (1 << 26, 1 << 28)
-    seconds, moved = [], []
-    for shard in (size // PARTS // n for size in sizes):
-        gather = gather_each(shard)
-
-        def once(gather: Callable[[], Any] = gather) -> None:
-            gather().wait()
-
-        seconds.append(_best(once, repeats, sync))
-        moved.append(PARTS * shard * n * 4 * (n - 1) / n)
-    bw = (moved[1] - moved[0]) / max(seconds[1] - seconds[0], 1e-9)
+    shards = [size // PARTS // n for size in sizes]
+    moved = [PARTS * shard * n * 4 * (n - 1) / n for shard in shards]
+    small, large = (_waited(gather_each(shard)) for shard in shards)
+    if cpu:
+        seconds = _paired_difference(small, large, _waited(each), BUS_PAIRS)
+    else:
+        seconds = _best(large, repeats, sync) - _best(small, repeats, sync)
+    bw = (moved[1] - moved[0]) / max(seconds, 1e-9)
     return {"latency": latency, "intra_bw": bw}
+
+
+def _waited(issue: Callable[[], Any]) -> Callable[[], None]:
+    return lambda: issue().wait()
+
+
+# Pairs of the two sizes a CPU's bus is taken from. The best of 5 of each size, as
+# the GPU's is, drew the 4-rank bus from 0.61 to 1.98 GB/s in eight estimates, and
+# once 9.4e6 (a lucky round of the large size: a difference near nothing); the
+# median of 15 pairs' differences drew 0.93 to 1.51 (2026-12-04,
+# docs/bench/gloo_bus_estimate_20261204.txt).
+BUS_PAIRS = 15
+
+
+def _paired_difference(
+    small: Callable[[], None], large: Callable[[], None], together: Callable[[], None], pairs: int
+) -> float:
+    """The median over ``pairs`` of the large gather's time less the small one's, each
+    pair timed a moment apart, the ranks brought ``together`` before each."""
+    small()  # gloo's buffers and sockets at both sizes
+    large()
+    differences = []
+    for _ in range(pairs):
+        together()
+        t0 = time.perf_counter()
+        small()
+        t1 = time.perf_counter()
+        large()
+        differences.append((time.perf_counter() - t1) - (t1 - t0))
+    return statistics.median(differences)
 
 
 def _busy_latency(each: Callable[[], Any], repeats: int) -> float:

@@ -1,0 +1,88 @@
+"""How much does the calibration's gloo bus bandwidth move from one estimate to the next,
+and does timing the two sizes in pairs (each difference of two timings a moment apart,
+the median of them) move less than the best of a few of each size?
+
+Why: the CPU suite's calibrated bus at 4 ranks on the 2-core machine ranged from 0.65
+to 2.13 GB/s over eight invocations of 2026-12-04 (the median of three calibrations
+each), and the small GPT at 4 ranks moves about 100 MB a rank a step: 0.84 against
+1.65 GB/s is 56 ms of a 1 s step.
+
+Each estimate: ``PARTS`` tensors gathered as the runtime does (all_gather_each) at
+two sizes of fp32 output in all (the calibration's 4 and 16 MiB, and 16 and 64);
+"best": the calibration's way (``_collective_rates``: the best of 5 at each size,
+then the difference); "paired": pairs (the small size, then the large, the ranks
+meeting at a barrier before each), the median of the differences.
+
+Run: PYTHONPATH=src .venv/bin/python docs/bench/probes/gloo_bus_estimate_probe.py [WORLD] [ESTIMATES]
+"""
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardwise import collectives
+from shardwise.planner import calibrate
+
+PAIRS = (15, 31)
+SIZES = ((1 << 20, 1 << 22), (1 << 22, 1 << 24))  # fp32 elements of output in all: 4/16, 16/64 MiB
+
+
+def work(rank: int, world: int, port: int, estimates: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    n, parts = world, calibrate.PARTS
+
+    def gather(shard: int):
+        inps = [torch.ones(shard) for _ in range(parts)]
+        outs = [torch.empty(shard * n) for _ in range(parts)]
+        return lambda: collectives.all_gather_each(outs, inps, group, "probe").wait()
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    results: dict[str, list[float]] = {}
+    for sizes in SIZES:
+        shards = [size // parts // n for size in sizes]
+        moved = [parts * s * n * 4 * (n - 1) / n for s in shards]
+        small, large = gather(shards[0]), gather(shards[1])
+        mib = "/".join(str(size * 4 >> 20) for size in sizes)
+        for _ in range(estimates):
+            # the calibration's way: the best of 5 of each size (after one untimed)
+            dist.barrier()
+            small(), large()
+            best = [min(timed(g) for _ in range(5)) for g in (small, large)]
+            results.setdefault(f"{mib} MiB, best of 5", []).append(
+                (moved[1] - moved[0]) / max(best[1] - best[0], 1e-9)
+            )
+            for pairs in PAIRS:
+                diffs = []
+                for _ in range(pairs):
+                    dist.barrier()
+                    diffs.append(-timed(small) + timed(large))
+                results.setdefault(f"{mib} MiB, paired, median of {pairs}", []).append(
+                    (moved[1] - moved[0]) / max(statistics.median(diffs), 1e-9)
+                )
+    if rank == 0:
+        for name, v in results.items():
+            g = [x / 1e9 for x in v]
+            print(
+                f"{world} ranks, {name}: {' '.join(f'{x:.2f}' for x in g)} GB/s; "
+                f"median {statistics.median(g):.2f}, range {min(g):.2f}-{max(g):.2f}",
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    estimates = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    mp.spawn(work, (world, 29541, estimates), nprocs=world)
