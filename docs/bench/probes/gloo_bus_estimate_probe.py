@@ -8,10 +8,11 @@ each), and the small GPT at 4 ranks moves about 100 MB a rank a step: 0.84 again
 1.65 GB/s is 56 ms of a 1 s step.
 
 Each estimate: ``PARTS`` tensors gathered as the runtime does (all_gather_each) at
-two sizes of fp32 output in all (the calibration's 4 and 16 MiB, and 16 and 64);
-"best": the calibration's way (``_collective_rates``: the best of 5 at each size,
-then the difference); "paired": pairs (the small size, then the large, the ranks
-meeting at a barrier before each), the median of the differences.
+two sizes of fp32 output in all (4 and 16 MiB, the calibration's at first; 4 and
+32, its now; 16 and 64); "best": the best of 5 at each size, then the difference
+(the calibration's way before the pairs, and a GPU's); "paired":
+``calibrate._paired_difference``, the median of 15 pairs' differences (the small
+size, then the large, the ranks brought together by a tiny gather before each).
 
 Run: PYTHONPATH=src .venv/bin/python docs/bench/probes/gloo_bus_estimate_probe.py [WORLD] [ESTIMATES]
 """
@@ -28,8 +29,9 @@ import torch.multiprocessing as mp
 from shardwise import collectives
 from shardwise.planner import calibrate
 
-PAIRS = (15, 31)
-SIZES = ((1 << 20, 1 << 22), (1 << 22, 1 << 24))  # fp32 elements of output in all: 4/16, 16/64 MiB
+PAIRS = (15,)
+# fp32 elements of output in all: 4/16, 4/32 and 16/64 MiB
+SIZES = ((1 << 20, 1 << 22), (1 << 20, 1 << 23), (1 << 22, 1 << 24))
 
 
 def work(rank: int, world: int, port: int, estimates: int) -> None:
@@ -49,6 +51,7 @@ def work(rank: int, world: int, port: int, estimates: int) -> None:
         fn()
         return time.perf_counter() - t0
 
+    tiny = gather(8)  # the ranks together before each pair, as the calibration brings them
     results: dict[str, list[float]] = {}
     for sizes in SIZES:
         shards = [size // parts // n for size in sizes]
@@ -63,13 +66,10 @@ def work(rank: int, world: int, port: int, estimates: int) -> None:
             results.setdefault(f"{mib} MiB, best of 5", []).append(
                 (moved[1] - moved[0]) / max(best[1] - best[0], 1e-9)
             )
-            for pairs in PAIRS:
-                diffs = []
-                for _ in range(pairs):
-                    dist.barrier()
-                    diffs.append(-timed(small) + timed(large))
+            for pairs in PAIRS:  # the calibration's own way
+                seconds = calibrate._paired_difference(small, large, tiny, pairs)
                 results.setdefault(f"{mib} MiB, paired, median of {pairs}", []).append(
-                    (moved[1] - moved[0]) / max(statistics.median(diffs), 1e-9)
+                    (moved[1] - moved[0]) / max(seconds, 1e-9)
                 )
     if rank == 0:
         for name, v in results.items():

@@ -218,10 +218,11 @@ def _collective_rates(
         latency = _median(several, max(repeats, 9), sync) / ROUNDS
     # The bus from two sizes' difference, so that no latency is in it (subtracting
     # one from a single size put the 4-rank bus anywhere from 0.6 to 2.8 GB/s,
-    # 2026-12-04): on a CPU 4 and 16 MiB of fp32 output in all, about a block's
-    # gather in the CPU rows; on GPUs 256 MiB and 1 GiB, where NVLink moves 16 MiB
-    # in tens of microseconds.
-    sizes = (1 << 20, 1 << 22) if cpu else (1 << 26, 1 << 28)
+    # 2026-12-04): on a CPU 4 and 32 MiB of fp32 output in all, from about a
+    # block's gather in the CPU rows up (to 16 MiB the difference, a few ms, was
+    # no larger than the ranks' scheduling: BUS_PAIRS); on GPUs 256 MiB and 1 GiB,
+    # where NVLink moves 16 MiB in tens of microseconds.
+    sizes = (1 << 20, 1 << 23) if cpu else (1 << 26, 1 << 28)
     shards = [size // PARTS // n for size in sizes]
     moved = [PARTS * shard * n * 4 * (n - 1) / n for shard in shards]
     small, large = (_waited(gather_each(shard)) for shard in shards)
@@ -238,10 +239,12 @@ def _waited(issue: Callable[[], Any]) -> Callable[[], None]:
 
 
 # Pairs of the two sizes a CPU's bus is taken from. The best of 5 of each size, as
-# the GPU's is, drew the 4-rank bus from 0.61 to 1.98 GB/s in eight estimates, and
-# once 9.4e6 (a lucky round of the large size: a difference near nothing); the
-# median of 15 pairs' differences drew 0.93 to 1.51 (2026-12-04,
-# docs/bench/gloo_bus_estimate_20261204.txt).
+# the GPU's is, drew the 4-rank bus from 0.61 to 1.98 GB/s in eight estimates at
+# 4 and 16 MiB, and once 9.4e6 (a lucky round of the large size: a difference
+# near nothing). The median of 15 pairs' differences is safe from one such round,
+# but at 4 and 16 MiB five whole calibrations at 4 ranks still drew 1.12 to 7.25;
+# at 4 and 32 MiB the pairs drew 0.82 to 1.05 at 4 ranks and 0.85 to 1.07 at 2
+# (2026-12-04, docs/bench/gloo_bus_estimate_20261204.txt).
 BUS_PAIRS = 15
 
 
