@@ -17,14 +17,13 @@ size, then the large, the ranks brought together by a tiny gather before each).
 Run: PYTHONPATH=src .venv/bin/python docs/bench/probes/gloo_bus_estimate_probe.py [WORLD] [ESTIMATES]
 """
 
-import os
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from probe_util import gloo_ranks
 
 from shardwise import collectives
 from shardwise.planner import calibrate
@@ -34,10 +33,7 @@ PAIRS = (15,)
 SIZES = ((1 << 20, 1 << 22), (1 << 20, 1 << 23), (1 << 22, 1 << 24))
 
 
-def work(rank: int, world: int, port: int, estimates: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def work(rank: int, world: int, estimates: int) -> None:
     group = dist.group.WORLD
     n, parts = world, calibrate.PARTS
 
@@ -79,10 +75,9 @@ def work(rank: int, world: int, port: int, estimates: int) -> None:
                 f"median {statistics.median(g):.2f}, range {min(g):.2f}-{max(g):.2f}",
                 flush=True,
             )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     estimates = int(sys.argv[2]) if len(sys.argv) > 2 else 8
-    mp.spawn(work, (world, 29541, estimates), nprocs=world)
+    gloo_ranks(work, world, 29541, estimates)

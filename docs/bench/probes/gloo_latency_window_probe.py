@@ -13,12 +13,11 @@ the settings run in turn, ``SWEEPS`` times, so that the machine's drift falls on
 Run: PYTHONPATH=src .venv/bin/python docs/bench/probes/gloo_latency_window_probe.py [WORLD] [SWEEPS]
 """
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from probe_util import gloo_ranks
 
 from shardwise import collectives
 from shardwise.planner import calibrate
@@ -26,10 +25,7 @@ from shardwise.planner import calibrate
 WINDOWS_MS = (1, 3, 6, 12, 24)
 
 
-def work(rank: int, world: int, port: int, sweeps: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def work(rank: int, world: int, sweeps: int) -> None:
     group = dist.group.WORLD
     inps = [torch.ones(8) for _ in range(calibrate.PARTS)]
     outs = [torch.empty(8 * world) for _ in range(calibrate.PARTS)]
@@ -48,10 +44,9 @@ def work(rank: int, world: int, port: int, sweeps: int) -> None:
     if rank == 0:
         for w, lat in seen.items():
             print(f"window {w:2d} ms: {' '.join(f'{x:4.0f}' for x in lat)} us a tensor", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     sweeps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    mp.spawn(work, (world, 29533, sweeps), nprocs=world)
+    gloo_ranks(work, world, 29533, sweeps)

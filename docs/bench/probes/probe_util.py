@@ -1,5 +1,10 @@
-"""What the GPU probes share: CUDA-event timing, and the GPT ``medium`` (1B) parameter shapes."""
+"""What the probes share: CUDA-event timing, the GPT ``medium`` (1B) parameter shapes, and
+gloo ranks of one thread each on this machine."""
+import os
+
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from shardwise_app.bench.models import build, resolve
 
 def timeit(fn, iters=20, warmup=3):
@@ -18,3 +23,19 @@ def medium_shapes(dev):
     del model
     torch.cuda.empty_cache()
     return shapes
+
+
+def gloo_ranks(work, world, port, *args):
+    """``work(rank, world, *args)`` in ``world`` processes, each a gloo rank of one thread
+    (as the CPU suite's ranks are), the group destroyed after."""
+    mp.spawn(_gloo_rank, (work, world, port, args), nprocs=world)
+
+
+def _gloo_rank(rank, work, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        work(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
