@@ -382,3 +382,13 @@ def test_a_cpu_targets_peak_is_the_middle_of_its_ranks_in_step_and_drifting() ->
     gpu = plan(lambda: GPT(cfg), 2, batch_size=2, seq_len=32, policy=policy, hardware=H200)
     # NCCL: no buffers of its own
     assert gpu.peak_bytes_in_step == gpu.peak_bytes == gpu.peak_bytes_drifting
+
+    # The plot's curve is the ranks-in-step one: on gloo its title names that peak beside
+    # the predicted one (the curve never reaches the middle); on NCCL one figure.
+    from shardwise_app.cli.plan import gib, plot_title
+
+    assert max(live for _, live, _ in cpu.memory_curve) <= low
+    title = plot_title(cpu)
+    assert f"peak {gib(cpu.peak_bytes)} GiB" in title
+    assert f"ranks in step, peak {gib(low)} GiB" in title
+    assert "ranks in step" not in plot_title(gpu)

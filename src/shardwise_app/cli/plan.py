@@ -248,6 +248,15 @@ def print_plan(p: Any, title: str) -> None:
     console.print(t)
 
 
+def plot_title(p: Any) -> str:
+    """The memory plot's title: on gloo it names the curve's own peak (ranks in step)
+    beside the predicted one, which the curve does not reach."""
+    head = f"{p.policy.label()}, {p.world_size} ranks: peak {gib(p.peak_bytes)} GiB"
+    if p.peak_bytes_drifting == p.peak_bytes_in_step:
+        return head
+    return f"{head}\n(curve: ranks in step, peak {gib(p.peak_bytes_in_step)} GiB)"
+
+
 def plot(p: Any, path: str) -> None:
     import matplotlib
 
@@ -262,9 +271,17 @@ def plot(p: Any, path: str) -> None:
         inside = [x for x, _, ph in p.memory_curve if ph == phase]
         if inside:
             ax.axvspan(min(inside), max(inside), color=color, alpha=0.1, label=phase)
+    if p.peak_bytes_drifting != p.peak_bytes_in_step:
+        # gloo: the curve is the ranks-in-step one; the predicted peak lies between it
+        # and the drifting end, so both are drawn where the curve cannot reach them
+        for n, style, name in (
+            (p.peak_bytes, "--", "predicted peak"),
+            (p.peak_bytes_drifting, ":", "ranks drifting apart"),
+        ):
+            ax.axhline(n / (1 << 30), color="tab:red", ls=style, lw=1, label=name)
     ax.set_xlabel("predicted time in the step (ms)")
     ax.set_ylabel("live memory per rank (GiB)")
-    ax.set_title(f"{p.policy.label()}, {p.world_size} ranks: peak {gib(p.peak_bytes)} GiB")
+    ax.set_title(plot_title(p))
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
