@@ -248,13 +248,20 @@ def print_plan(p: Any, title: str) -> None:
     console.print(t)
 
 
+def plot_unit(p: Any) -> tuple[str, int]:
+    """GiB, or MiB for a plan whose peak is under one (a tiny model's figures would
+    all read 0.00x GiB)."""
+    return ("GiB", 1 << 30) if p.peak_bytes_drifting >= 1 << 30 else ("MiB", 1 << 20)
+
+
 def plot_title(p: Any) -> str:
     """The memory plot's title: on gloo it names the curve's own peak (ranks in step)
     beside the predicted one, which the curve does not reach."""
-    head = f"{p.policy.label()}, {p.world_size} ranks: peak {gib(p.peak_bytes)} GiB"
+    unit, size = plot_unit(p)
+    head = f"{p.policy.label()}, {p.world_size} ranks: peak {p.peak_bytes / size:.3f} {unit}"
     if p.peak_bytes_drifting == p.peak_bytes_in_step:
         return head
-    return f"{head}\n(curve: ranks in step, peak {gib(p.peak_bytes_in_step)} GiB)"
+    return f"{head}\n(curve: ranks in step, peak {p.peak_bytes_in_step / size:.3f} {unit})"
 
 
 def plot(p: Any, path: str) -> None:
@@ -263,9 +270,10 @@ def plot(p: Any, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    unit, size = plot_unit(p)
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = [c[0] for c in p.memory_curve]
-    ys = [c[1] / (1 << 30) for c in p.memory_curve]
+    ys = [c[1] / size for c in p.memory_curve]
     ax.plot(xs, ys, lw=1)
     for phase, color in (("backward", "tab:orange"), ("optimizer", "tab:green")):
         inside = [x for x, _, ph in p.memory_curve if ph == phase]
@@ -278,9 +286,9 @@ def plot(p: Any, path: str) -> None:
             (p.peak_bytes, "--", "predicted peak"),
             (p.peak_bytes_drifting, ":", "ranks drifting apart"),
         ):
-            ax.axhline(n / (1 << 30), color="tab:red", ls=style, lw=1, label=name)
+            ax.axhline(n / size, color="tab:red", ls=style, lw=1, label=name)
     ax.set_xlabel("predicted time in the step (ms)")
-    ax.set_ylabel("live memory per rank (GiB)")
+    ax.set_ylabel(f"live memory per rank ({unit})")
     ax.set_title(plot_title(p))
     ax.legend(loc="upper left")
     fig.tight_layout()
