@@ -382,6 +382,7 @@ def test_a_cpu_targets_peak_is_the_middle_of_its_ranks_in_step_and_drifting() ->
     gpu = plan(lambda: GPT(cfg), 2, batch_size=2, seq_len=32, policy=policy, hardware=H200)
     # NCCL: no buffers of its own
     assert gpu.peak_bytes_in_step == gpu.peak_bytes == gpu.peak_bytes_drifting
+    assert cpu.peak_is_a_range and not gpu.peak_is_a_range
 
     # The plot's curve is the ranks-in-step one: on gloo its title names that peak beside
     # the predicted one (the curve never reaches the middle); on NCCL one figure.

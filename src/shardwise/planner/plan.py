@@ -70,6 +70,12 @@ class Plan:
     def step_ms(self) -> float:
         return self.time.step_s * 1e3
 
+    @property
+    def peak_is_a_range(self) -> bool:
+        """On gloo: a launch's peak lies anywhere from ``peak_bytes_in_step`` to
+        ``peak_bytes_drifting``, and what shows the plan says both. Elsewhere one figure."""
+        return self.peak_bytes_drifting != self.peak_bytes_in_step
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,

@@ -228,7 +228,7 @@ def print_plan(p: Any, title: str) -> None:
     for kind, n in sorted(p.peak_by_kind.items(), key=lambda kv: -kv[1]):
         t.add_row(kind, gib(n))
     t.add_row("[bold]peak[/bold]", f"[bold]{gib(p.peak_bytes)}[/bold]")
-    if p.peak_bytes_drifting != p.peak_bytes_in_step:
+    if p.peak_is_a_range:
         # gloo: which of its buffers are live at the peak is the ranks' timing; the
         # peak above is the middle of these two
         t.add_row("peak if the ranks keep in step", gib(p.peak_bytes_in_step))
@@ -259,7 +259,7 @@ def plot_title(p: Any) -> str:
     beside the predicted one, which the curve does not reach."""
     unit, size = plot_unit(p)
     head = f"{p.policy.label()}, {p.world_size} ranks: peak {p.peak_bytes / size:.3f} {unit}"
-    if p.peak_bytes_drifting == p.peak_bytes_in_step:
+    if not p.peak_is_a_range:
         return head
     return f"{head}\n(curve: ranks in step, peak {p.peak_bytes_in_step / size:.3f} {unit})"
 
@@ -279,7 +279,7 @@ def plot(p: Any, path: str) -> None:
         inside = [x for x, _, ph in p.memory_curve if ph == phase]
         if inside:
             ax.axvspan(min(inside), max(inside), color=color, alpha=0.1, label=phase)
-    if p.peak_bytes_drifting != p.peak_bytes_in_step:
+    if p.peak_is_a_range:
         # gloo: the curve is the ranks-in-step one; the predicted peak lies between it
         # and the drifting end, so both are drawn where the curve cannot reach them
         for n, style, name in (
@@ -461,7 +461,7 @@ def _print_tried(tried: list[Any], budget: int) -> None:
 
     # A policy fits by the most a launch may reach (fastest_within); on gloo that is
     # above the plan's peak, and the table shows it beside.
-    gloo = any(p.peak_bytes_drifting != p.peak_bytes for p in tried)
+    gloo = any(p.peak_is_a_range for p in tried)
     t = Table(title="policies tried (fastest that fits first)")
     for c in ("policy", "peak GiB", *(["at most GiB"] if gloo else []), "step ms", "fits"):
         t.add_column(c)

@@ -130,7 +130,7 @@ def print_comparison(p: Any, m: dict[str, Any]) -> None:
         f"{peak / 2**20:.2f}",
         f"{error_pct(p.peak_bytes, peak):+.1f}%",
     )
-    if p.peak_bytes_drifting != p.peak_bytes_in_step:  # gloo: the ranks' timing, between
+    if p.peak_is_a_range:  # gloo: the ranks' timing, between
         for label, end in (("in step", p.peak_bytes_in_step), ("drifting", p.peak_bytes_drifting)):
             t.add_row(
                 f"peak MiB, ranks {label}",
