@@ -289,7 +289,7 @@ def test_one_lucky_round_does_not_move_a_cpu_calibrations_bus(
         nonlocal large
         if sum(o.numel() for o in outs) > 1 << 20:  # the larger size (the smaller: 1 << 20)
             large += 1
-            if large == 3:  # timed, past the one untimed round
+            if large == 3:  # the second pair's (the first call warms up, untimed)
                 return _Wire(0.0, 1e30).all_gather_each(outs, inps)
         return wire.all_gather_each(outs, inps, *rest)
 
