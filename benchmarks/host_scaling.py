@@ -27,9 +27,9 @@ output and each reduce-scatter its output, one copy each, as many bytes as a
 real collective lands in this process, without the per-rank loop. "fake": the
 fake backend's own collectives; the table also counts the chunks its loops
 make per step (one per rank per tensor per call). The loop costs more than
-its own time: the work after a 1024-rank fake all-gather runs as slowly as
-after a flush of the caches (``fake_backend_probe.py``), so "host" in
-this mode carries some of the backend's cost too.
+its own time (the work after a 1024-rank fake all-gather runs about as slowly
+as after a flush of the caches), so "host" in this mode carries some of the
+backend's cost too.
 
 Each (implementation, world) runs in a process of its own (one process group
 per process), interleaved: every round runs every world size and
@@ -41,7 +41,7 @@ Bookkeeping memory: Python bytes (tracemalloc: Python objects, not tensor
 storage) and Python objects (gc) that ``fully_shard`` and two training steps
 leave alive, per parameter; and the tensor objects among them.
 
-Usage: python docs/bench/probes/host_scaling_probe.py [--rounds 5] [--steps 40]
+Usage: python benchmarks/host_scaling.py [--rounds 5] [--steps 40]
   [--worlds 2,8,64,512,1024] [--modes skip,copy,fake] [--json OUT] [--profile]
   [--torch-profile]
 (``PYTHONPATH=src``; ``--profile`` prints shardwise's cProfile top entries at

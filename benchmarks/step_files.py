@@ -1,6 +1,6 @@
 """Which runtime files one training step visits, and how often its calls cross between them.
 
-    python docs/bench/probes/step_files_probe.py
+    python benchmarks/step_files.py
 
 One process (gloo, world 1), a root and two sharded Linears in bf16 (so the
 gather is a cast, not an alias); one warm step, then one step profiled with
