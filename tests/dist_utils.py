@@ -2,6 +2,10 @@
 
 A failing or hanging rank fails the test; it never hangs CI. Functions must be
 importable (module level), since workers are spawned.
+
+Many small multi-rank checks share one set of processes (spawning ranks costs seconds):
+a module keeps them in a dict of named checks and ``named_check_test`` makes the test
+that reports each one; ``check_results`` runs them where tests read results by hand.
 """
 
 from __future__ import annotations
@@ -9,10 +13,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -102,13 +108,16 @@ def run_distributed(
     return [results[r] for r in range(world)]
 
 
-def run_named_checks(
-    checks: dict[str, Callable[[int, int], None]], rank: int, world: int, names: list[str]
-) -> dict[str, str | None]:
-    """Run ``checks[name]`` for each name on this rank: None where it passed, else its
-    traceback, so one set of processes serves many tests (each reads its own entry)."""
+Checks = Mapping[str, Callable[[int, int], None]]
+
+
+def _run_checks(rank: int, world: int, module: str, attr: str, names: list[str]) -> dict:
+    """On one rank: ``module.attr[name](rank, world)`` for each name, None where it passed,
+    else its traceback (looked up by name, so a check may be a closure)."""
+    import importlib
     import warnings
 
+    checks = getattr(importlib.import_module(module), attr)
     out: dict[str, str | None] = {}
     for name in names:
         try:
@@ -122,7 +131,64 @@ def run_named_checks(
     return out
 
 
-def first_failures(per_rank: list[dict[str, str | None]], names: Any) -> dict[str, str | None]:
-    """``run_named_checks``' results of every rank merged: per name, the first
-    rank's traceback where one failed, else None."""
+def check_results(
+    module: str,
+    checks: Checks,
+    world: int,
+    names: Iterable[str] | None = None,
+    *,
+    timeout: float = 250,
+) -> dict[str, str | None]:
+    """Run the named checks (all of ``checks`` by default) on ``world`` ranks in one set of
+    processes: per name, the first failing rank's traceback, or None where every rank passed.
+
+    ``checks`` is a module-level dict of the module named ``module`` (pass ``__name__``):
+    each rank imports that module and finds the dict there.
+    """
+    attr = next((k for k, v in vars(sys.modules[module]).items() if v is checks), None)
+    if attr is None:
+        raise ValueError(f"the checks must be a module-level dict of {module}")
+    names = list(checks if names is None else names)
+    per_rank = run_distributed(_run_checks, world, module, attr, names, timeout=timeout)
     return {n: next((r[n] for r in per_rank if r[n]), None) for n in names}
+
+
+def named_check_test(
+    module: str,
+    checks: Checks,
+    worlds: int | Mapping[int, Iterable[str]] = 2,
+    *,
+    timeout: float = 250,
+) -> Callable[[str, int], None]:
+    """A test parametrized by check: assign it to a ``test_...`` name in ``module``.
+
+    ``worlds`` is a world size (every check at it) or, per world size, the names to run
+    there. The first test of a world runs all of that world's checks in one set of
+    processes (``check_results``); each test then reports its own check. Test ids are
+    the check names, suffixed ``-w<world>`` where there are several world sizes.
+    """
+    plan = (
+        {worlds: list(checks)}
+        if isinstance(worlds, int)
+        else {w: list(n) for w, n in worlds.items()}
+    )
+    cases = [(name, world) for world, names in plan.items() for name in names]
+    several = len(plan) > 1
+    found: dict[int, dict[str, str | None] | BaseException] = {}
+
+    @pytest.mark.parametrize(
+        ("name", "world"), cases, ids=[f"{n}-w{w}" if several else n for n, w in cases]
+    )
+    def test(name: str, world: int) -> None:
+        if world not in found:
+            try:
+                found[world] = check_results(module, checks, world, plan[world], timeout=timeout)
+            except BaseException as e:  # every test of this world reports the one failed run
+                found[world] = e
+        results = found[world]
+        if isinstance(results, BaseException):
+            raise results
+        where = f"{name} at world {world}" if several else name
+        assert results[name] is None, f"{where}:\n{results[name]}"
+
+    return test

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 import shardwise
-from dist_utils import first_failures, run_distributed, run_named_checks
+from dist_utils import named_check_test
 from models import VOCAB, batches
 from shardwise import collectives, fully_shard
 from test_core import global_mean
@@ -335,17 +335,4 @@ CHECKS = {
 }
 
 
-def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    return run_named_checks(CHECKS, rank, world, names)
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    names = sorted(CHECKS)
-    per_rank = run_distributed(run_checks, 2, names, timeout=250)
-    return first_failures(per_rank, names)
-
-
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_subclass_gather_hooks(results: dict[str, str | None], name: str) -> None:
-    assert results[name] is None, f"{name}:\n{results[name]}"
+test_subclass_gather_hooks = named_check_test(__name__, CHECKS, {2: sorted(CHECKS)}, timeout=250)

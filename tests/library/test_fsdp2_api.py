@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardwise
-from dist_utils import first_failures, run_distributed, run_named_checks
+from dist_utils import named_check_test, run_distributed
 from models import Net, batches, loss_fn
 from shardwise import collectives, fully_shard
 from test_core import assert_between_steps, shard_net
@@ -430,19 +430,7 @@ CHECKS_W2: dict[str, Callable[[int, int], None]] = {
 }
 
 
-def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    return run_named_checks(CHECKS_W2, rank, world, names)
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    per_rank = run_distributed(run_checks, 2, list(CHECKS_W2), timeout=250)
-    return first_failures(per_rank, CHECKS_W2)
-
-
-@pytest.mark.parametrize("name", list(CHECKS_W2))
-def test_fsdp2_method(results: dict[str, str | None], name: str) -> None:
-    assert results[name] is None, f"{name}:\n{results[name]}"
+test_fsdp2_method = named_check_test(__name__, CHECKS_W2, 2, timeout=250)
 
 
 # ---- HSDP: all-reduce held back over microbatches ---------------------------------------------

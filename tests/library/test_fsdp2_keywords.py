@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardwise
-from dist_utils import run_distributed, run_named_checks
+from dist_utils import named_check_test
 from models import Net, TwoPaths, batches, loss_fn
 from shardwise import collectives, fully_shard
 from test_core import (
@@ -553,23 +553,6 @@ W4 = {
 }
 
 
-def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    return run_named_checks(CHECKS, rank, world, names)
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[tuple[str, int], str | None]:
-    found: dict[tuple[str, int], str | None] = {}
-    for world, names in ((2, sorted(W2)), (4, sorted(W4))):
-        per_rank = run_distributed(run_checks, world, names, timeout=250)
-        for n in names:
-            found[(n, world)] = next((r[n] for r in per_rank if r[n]), None)
-    return found
-
-
-CASES = [(n, 2) for n in sorted(W2)] + [(n, 4) for n in sorted(W4)]
-
-
-@pytest.mark.parametrize(("name", "world"), CASES, ids=[f"{n}-w{w}" for n, w in CASES])
-def test_fully_shard_keyword(results: dict, name: str, world: int) -> None:
-    assert results[(name, world)] is None, f"{name} at world {world}:\n{results[(name, world)]}"
+test_fully_shard_keyword = named_check_test(
+    __name__, CHECKS, {2: sorted(W2), 4: sorted(W4)}, timeout=250
+)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import shardwise
-from dist_utils import first_failures, run_distributed, run_named_checks
+from dist_utils import named_check_test
 from models import Block, Net, batches, loss_fn
 from shardwise import collectives, fully_shard, optimizer_in_backward
 from test_core import assert_between_steps, global_mean
@@ -420,16 +420,4 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
 }
 
 
-def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    return run_named_checks(CHECKS, rank, world, names)
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    per_rank = run_distributed(run_checks, 2, list(CHECKS), timeout=200)
-    return first_failures(per_rank, CHECKS)
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_optimizer_in_backward(results: dict, name: str) -> None:
-    assert results[name] is None, f"{name}:\n{results[name]}"
+test_optimizer_in_backward = named_check_test(__name__, CHECKS, 2, timeout=200)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
-from dist_utils import first_failures, run_distributed, run_named_checks
+from dist_utils import named_check_test
 from shardwise import MixedPrecisionPolicy, fully_shard
 from test_core import assert_between_steps
 
@@ -260,16 +260,4 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
 }
 
 
-def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    return run_named_checks(CHECKS, rank, world, names)
-
-
-@pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    per_rank = run_distributed(run_checks, 2, list(CHECKS), timeout=200)
-    return first_failures(per_rank, CHECKS)
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_matches_one_process(results: dict[str, str | None], name: str) -> None:
-    assert results[name] is None, f"{name}:\n{results[name]}"
+test_matches_one_process = named_check_test(__name__, CHECKS, 2, timeout=200)

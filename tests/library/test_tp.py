@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardwise
 import shardwise.checkpoint as sw_checkpoint
-from dist_utils import first_failures, run_distributed, run_named_checks
+from dist_utils import check_results, run_distributed
 from shardwise import FSDPModule, collectives, fully_shard
 from shardwise_app.models.gpt import Block, GPTConfig
 
@@ -451,15 +451,10 @@ def check_bad_tp_input(rank: int, world: int) -> None:
 SHARED = {"mlp": _mlp_parity, "gpt": _gpt_parity, "hsdp": hsdp_worker, "bad": check_bad_tp_input}
 
 
-def shared_worker(rank: int, world: int) -> dict[str, str | None]:
-    return run_named_checks(SHARED, rank, world, list(SHARED))
-
-
 @pytest.fixture(scope="module")
 def shared() -> dict[str, str | None]:
     """Each SHARED check's first failing rank's traceback, or None."""
-    per_rank = run_distributed(shared_worker, 4, timeout=280)
-    return first_failures(per_rank, SHARED)
+    return check_results(__name__, SHARED, 4, timeout=280)
 
 
 def test_bad_tp_input_gets_one_clear_error_and_changes_nothing(shared: dict[str, Any]) -> None:
