@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .main import add_launch_arguments, in_worker, launch, launch_from_args
+from .common import add_launch_arguments, in_worker, launch_from_args
+from .launcher import launch
 from .run_folder import find_checkpoint
 from .signals import restore_default_signals
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .main import UsageError
+from .common import UsageError
 from .run_folder import CORPUS
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 from . import checkpoint_command
 from .checkpoint_command import say_source
-from .main import UsageError, in_worker, init_worker
+from .common import UsageError, in_worker
+from .process_group import init_worker
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

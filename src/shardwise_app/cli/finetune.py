@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .main import UsageError
+from .common import UsageError
 
 # Training flags of a fine-tuning run; with --resume, taken from the resumed run.
 DEFAULTS: dict[str, Any] = {

@@ -31,8 +31,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from .common import (
+    EXIT_USAGE,
+    LAUNCH_ID_ENV,
+    Launch,
+    UsageError,
+    raise_if_interrupted,
+    usable_cpus,
+)
 from .failures import EXIT_NO_RETRY, launcher_message, what_failed
-from .main import EXIT_USAGE, LAUNCH_ID_ENV, Launch, UsageError, raise_if_interrupted, usable_cpus
 from .signals import STOP_SIGNALS
 
 # The process group's timeout: a worker that waits this long for a peer in a
@@ -181,7 +188,7 @@ def _stopped_by(code: int, signum: int | None) -> bool:
 
 
 class _Workers:
-    """One start of this node's workers, as ``python -m shardwise_app.cli.worker COMMAND``.
+    """One start of this node's workers, as ``python -m shardwise_app.cli COMMAND``.
 
     That entry module sets up signals before torch is imported (worker.py).
     Each worker shares the launcher's process group, so that a terminal's
@@ -208,7 +215,7 @@ class _Workers:
                 "MASTER_PORT": port,
                 "TORCHELASTIC_RESTART_COUNT": str(attempt),
             }
-            cmd = [sys.executable, "-m", "shardwise_app.cli.worker", command, *argv]
+            cmd = [sys.executable, "-m", "shardwise_app.cli", command, *argv]
             self.procs[rank] = subprocess.Popen(cmd, env=env)
 
     def watch(self, signals: _Signals) -> _Ended:

@@ -14,7 +14,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from .main import LAUNCH_ID_ENV
+from .common import LAUNCH_ID_ENV
 
 
 class Reporter:

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from .main import UsageError
+from .common import UsageError
 from .report import read_jsonl
 
 LOCK = ".lock"

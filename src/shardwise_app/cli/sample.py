@@ -16,7 +16,8 @@ from typing import Any
 
 from . import checkpoint_command
 from .checkpoint_command import say_source
-from .main import UsageError, init_worker
+from .common import UsageError
+from .process_group import init_worker
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

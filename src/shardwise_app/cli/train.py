@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
+from .common import LAUNCH_ID_ENV, in_worker, launch_from_args
 from .corpus import open_corpus
 from .corpus import prepare as prepare_corpus
 from .failures import (
@@ -39,7 +40,7 @@ from .failures import (
     save_failure,
 )
 from .launcher import check_fault_arguments, launch
-from .main import LAUNCH_ID_ENV, Worker, from_rank0, in_worker, init_worker, launch_from_args
+from .process_group import Worker, from_rank0, init_worker
 from .report import Reporter, read_json, read_jsonl
 from .run_folder import (
     commit,

@@ -19,9 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .common import UsageError, add_launch_arguments
 from .finetune import DEFAULTS as FINETUNE_DEFAULTS
 from .launcher import add_fault_arguments
-from .main import UsageError, add_launch_arguments
 from .run_folder import find_checkpoint, holds_only_the_lock, is_checkpoint
 
 # Flags that describe the training itself. With --resume, each one not given

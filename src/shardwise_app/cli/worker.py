@@ -1,4 +1,4 @@
-"""The module every worker our launcher starts runs first: signals before torch.
+"""What a worker process does to itself: signals before torch, output that may go, its end.
 
 The launcher passes Ctrl-C, SIGTERM and SIGHUP on to its workers at once,
 often while they are still importing torch or waiting for each other in
@@ -6,9 +6,10 @@ often while they are still importing torch or waiting for each other in
 KeyboardInterrupt inside that import (a long traceback per worker), and a
 worker that dies there leaves the others waiting for it, for good.
 
-So a worker runs ``python -m shardwise_app.cli.worker`` (not ``-m shardwise``,
-whose package import pulls torch in before any of our code runs: the
-application's packages import nothing on import), and until the worker has
+So a worker runs ``python -m shardwise_app.cli`` (the package's
+``__main__.py``; not ``-m shardwise``, whose package import pulls torch in
+before any of our code runs: the application's packages import nothing on
+import), which calls ``exit_on_first_signal`` first: until the worker has
 joined its process group the first such signal ends it at once, quietly.
 Nothing is lost: a worker writes nothing before it has joined. A helper
 thread does the exiting, woken through ``signal.set_wakeup_fd``, because a
@@ -104,23 +105,9 @@ def end(code: int | str | None) -> None:
 
 def run_to_end(main: Callable[[], int | None]) -> None:
     """Run a worker's command, then ``end`` with its status (a ``SystemExit``'s too:
-    flags rank 0 refused under torchrun, main.py's ``from_rank0``)."""
+    flags rank 0 refused under torchrun, process_group.py's ``from_rank0``)."""
     try:
         status: int | str | None = main()
     except SystemExit as e:
         status = e.code
     end(status)
-
-
-if __name__ == "__main__":
-    exit_on_first_signal()
-    keep_going_without_stdout()
-    # ``python -m`` put the working directory first on sys.path, where the
-    # console script that launched us has none: a file there (a torch.py)
-    # must not shadow what the worker imports.
-    if not getattr(sys.flags, "safe_path", False) and sys.path[0] == os.getcwd():
-        del sys.path[0]
-
-    from .main import main
-
-    run_to_end(main)
