@@ -8,6 +8,7 @@
 See docs/design.md for the lifecycle every sharded module follows.
 """
 
+from . import observe
 from .api import fully_shard, hsdp_mesh, no_sync
 from .clip import clip_grad_norm_
 from .context import FSDPContext, LifecycleError, Phase
@@ -16,7 +17,6 @@ from .materialize import materialize
 from .offload import CPUOffloadPolicy, OffloadPolicy
 from .optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from .patch import fsdp2_patched, patch_fsdp2, unpatch_fsdp2
-from .planner import plan
 from .precision import MixedPrecisionPolicy
 from .trace import Tracer, trace
 
@@ -37,12 +37,28 @@ __all__ = [
     "hsdp_mesh",
     "materialize",
     "no_sync",
+    "observe",
     "optimizer_in_backward",
     "patch_fsdp2",
-    "plan",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "trace",
     "unpatch_fsdp2",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The planner is its own package (shardwise_plan): ``import shardwise`` loads none
+    # of it, and the old name imports it on first use, warning once.
+    if name == "plan":
+        import warnings
+
+        from shardwise_plan import plan
+
+        warnings.warn(
+            "shardwise.plan moved to shardwise_plan.plan", DeprecationWarning, stacklevel=2
+        )
+        globals()["plan"] = plan  # found directly from now on: the warning is once
+        return plan
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

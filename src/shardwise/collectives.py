@@ -25,8 +25,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _coalescing_manager
 
-from .trace import active as active_trace
-
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -51,8 +49,26 @@ _observers: list[Observer] = []
 
 def add_observer(fn: Observer) -> Callable[[], None]:
     """Call ``fn(record, pending)`` for every collective issued; returns a remover."""
-    _observers.append(fn)
-    return lambda: _observers.remove(fn) if fn in _observers else None
+    return _register(_observers, fn)
+
+
+WaitObserver = Callable[["Pending", bool], None]
+_wait_observers: list[WaitObserver] = []
+
+
+def add_wait_observer(fn: WaitObserver) -> Callable[[], None]:
+    """Call ``fn(pending, False)`` just before a ``Pending`` (a collective, a cast or an
+    upload in flight) is waited for and ``fn(pending, True)`` right after; returns a
+    remover. The timeline's exposed-communication spans are these.
+
+    Why a registration: this file is the bottom of the runtime and imports no
+    layer above it; whoever wants to see the waits (trace.py, a tool) registers."""
+    return _register(_wait_observers, fn)
+
+
+def _register(observers: list[Any], fn: Any) -> Callable[[], None]:
+    observers.append(fn)
+    return lambda: observers.remove(fn) if fn in observers else None
 
 
 class Pending:
@@ -82,16 +98,18 @@ class Pending:
     def wait(self) -> None:
         if self.done:
             return
-        tracer = active_trace()
-        start = tracer.now() if tracer is not None else None
+        watching = list(_wait_observers) if _wait_observers else None
+        if watching is not None:
+            for observe in watching:
+                observe(self, False)
         if self._work is not None:
             self._work.wait()
             # Released at once: a backend's handle may hold buffers of its own
             # (gloo's reduce-scatter holds a clone of the whole input).
             self._work = None
-        if tracer is not None:
-            # How long compute waited for this collective: exposed communication.
-            tracer.span("wait", self.label, start, tracer.now(), kind=self.kind)
+        if watching is not None:
+            for observe in watching:
+                observe(self, True)
         if self._then is not None:
             self._then()
         self.done = True
@@ -256,18 +274,19 @@ def all_reduce(
 
 # ---- the world, process groups, and Python objects ----------------------------------------
 # The rest of the library asks these instead of torch.distributed, so that no
-# call to it is made anywhere else (tests/test_layers.py checks).
+# call to it is made anywhere else (tests/library/test_layers.py checks).
 
 
 @contextlib.contextmanager
 def fake_world(world: int) -> Iterator[None]:
-    """This process as rank 0 of ``world`` ranks on torch's fake backend (the planner):
-    every collective returns at once and moves nothing."""
+    """This process as rank 0 of ``world`` ranks on torch's fake backend (a simulation
+    of a step at ``world`` ranks in one process): every collective returns at once
+    and moves nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError(
-            "the planner runs its own fake process group: call it where torch.distributed "
+            "fake_world runs its own fake process group: call it where torch.distributed "
             "is not initialized (a process of its own)"
         )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

@@ -24,10 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-# offload.upload through its module, as reduce.py calls offload.download: the
-# planner replaces both to count the device memory they hold (planner/tracker.py).
 from . import collectives, offload
-from .trace import label
+from .labels import label
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -41,7 +39,7 @@ class Gather:
     def __init__(self, g: ParamGroup) -> None:
         # A cast to param_dtype, or an upload from host memory, comes first (for an
         # offloaded group also on a CPU run, where the devices match: the same
-        # path as on a GPU, so the planner's CPU simulation sees it).
+        # path as on a GPU, so a CPU run holds the copies a GPU run holds).
         self.copy_in = (
             g.flat.dtype != g.compute_dtype
             or g.flat.device != g.device
@@ -88,10 +86,12 @@ class CastBeside(Gather):
 
     def issue(self, g: ParamGroup) -> collectives.Pending | None:
         g.allocate_unsharded()
+        offloaded = g.settings.offload_policy is not None
         with collectives.side_stream("gather", g.device), label("gather"):
-            g.unsharded_flat.copy_(offload.upload(g.flat, g.device))
+            src = offload.upload(g.flat, g.device, g.label) if offloaded else g.flat
+            g.unsharded_flat.copy_(src)
             work = collectives.StreamWork(g.device)
-        kind = "cast" if g.settings.offload_policy is None else "upload"
+        kind = "upload" if offloaded else "cast"
         return collectives.Pending(work, label=g.label, kind=kind)
 
 
@@ -108,9 +108,9 @@ class InPlace(Gather):
             with label("gather"):
                 if self.copy_in:  # cast (or uploaded) into this rank's slot of each output
                     if g.settings.offload_policy is not None:
-                        # Uploaded as it is, cast on the GPU. (Called on a CPU run
-                        # too, where it returns the shard: the planner counts it.)
-                        shards = list(offload.upload(g.flat, g.device).split(sizes))
+                        # Uploaded as it is, cast on the GPU (on a CPU run too: a
+                        # copy of its own, as a GPU run holds).
+                        shards = list(offload.upload(g.flat, g.device, g.label).split(sizes))
                     torch._foreach_copy_(slots, shards)
                 return collectives.all_gather_each(
                     outs, slots if self.copy_in else shards, g.shard_group, g.label
@@ -143,7 +143,8 @@ class RankMajor(Gather):
                 if self.copy_in:
                     # Uploaded as it is, cast on the GPU (a cross-device copy that
                     # also casts would cast on the CPU first).
-                    src.copy_(offload.upload(g.flat, g.device))
+                    offloaded = g.settings.offload_policy is not None
+                    src.copy_(offload.upload(g.flat, g.device, g.label) if offloaded else g.flat)
                 pending = collectives.all_gather(
                     out, src, g.shard_group, g.label, g.settings.custom_all_gather
                 )

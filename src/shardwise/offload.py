@@ -35,12 +35,14 @@ them, which the end of backward, waiting for every copy, would be anyway.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .trace import label
+from . import labels
 
 
 class OffloadPolicy:
@@ -81,6 +83,42 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.zeros(numel, dtype=dtype, pin_memory=pin)
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """One host<->device copy offload issued (``upload``, ``download``), or the device
+    tensor a download read let go (``release``), as transfer observers see it."""
+
+    kind: Literal["upload", "download", "release"]
+    label: str  # the group's label ("" if the caller gave none)
+    src: torch.Tensor  # what was read (release: the device tensor let go)
+    out: torch.Tensor | None  # the copy made (release: None)
+    nbytes: int  # bytes that cross (release: the device tensor's)
+
+
+TransferObserver = Callable[[Transfer], None]
+_transfer_observers: list[TransferObserver] = []
+
+
+def add_transfer_observer(fn: TransferObserver) -> Callable[[], None]:
+    """Call ``fn(transfer)`` after each copy is issued and when a download's device
+    tensor is let go; returns a remover. A simulation of a GPU run on the CPU (no
+    transfer happens there) counts the device memory the copies hold from these."""
+    _transfer_observers.append(fn)
+    return lambda: _transfer_observers.remove(fn) if fn in _transfer_observers else None
+
+
+def _notify(
+    kind: Literal["upload", "download", "release"],
+    name: str,
+    src: torch.Tensor,
+    out: torch.Tensor | None,
+    nbytes: int,
+) -> None:
+    t = Transfer(kind, name, src, out, nbytes)
+    for fn in list(_transfer_observers):
+        fn(t)
+
+
 _downloads: dict[int, torch.cuda.Stream] = {}
 
 
@@ -91,30 +129,41 @@ def _download_stream() -> torch.cuda.Stream:
     return _downloads[device]
 
 
-def upload(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``flat`` on ``device``, copied up asynchronously if it is in host memory (its
-    own dtype: a copy that also cast would cast on the CPU first)."""
-    if flat.device == device:
-        return flat
-    with label("offload"):
-        return flat.to(device, non_blocking=True)
+def upload(flat: torch.Tensor, device: torch.device, label: str = "") -> torch.Tensor:
+    """A copy of ``flat`` (an offloaded flat shard) on ``device``, copied up
+    asynchronously (its own dtype: a copy that also cast would cast on the CPU first).
+
+    Always a tensor with its own storage, also on a CPU run, where ``device`` is
+    where ``flat`` already lives: a CPU run of an offloaded model then holds what a
+    GPU run holds (the uploaded copy, until the gather's cast has read it)."""
+    with labels.label("offload"):
+        out = flat.to(device, non_blocking=True, copy=True)
+    if _transfer_observers:
+        _notify("upload", label, flat, out, flat.numel() * flat.element_size())
+    return out
 
 
 @dataclass
 class _Read:
     """A device tensor a download reads, kept until the stream its memory came from
-    (``owner``) is told to wait for the copy (``done``)."""
+    (``owner``) is told to wait for the copy (``done``; both None on a CPU run)."""
 
     tensor: torch.Tensor
-    done: torch.cuda.Event
-    owner: torch.cuda.Stream
+    done: torch.cuda.Event | None
+    owner: torch.cuda.Stream | None
+    label: str
 
 
 _reading: dict[int, _Read] = {}
+_CPU = -1  # ``_reading``'s key for a CPU run
 
 
 def download(
-    t: torch.Tensor, dtype: torch.dtype, pin: bool, owner: torch.cuda.Stream | None = None
+    t: torch.Tensor,
+    dtype: torch.dtype,
+    pin: bool,
+    owner: torch.cuda.Stream | None = None,
+    label: str = "",
 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Copy ``t`` to a new CPU tensor of ``dtype``, asynchronously.
 
@@ -122,22 +171,30 @@ def download(
     (None: already there). ``owner``: the stream ``t``'s memory was allocated
     on (default: the current one); ``t`` is held until the next download or
     ``release_downloaded`` (the module docstring says why), then freed in
-    ``owner``'s order after the copy.
+    ``owner``'s order after the copy. On a CPU run too the copy has its own
+    storage and ``t`` is held as long: the run holds what a GPU run holds.
     """
     if t.device.type != "cuda":
-        return t.to(dtype), None
+        host = t.to(dtype, copy=True)
+        _release(_CPU)
+        _reading[_CPU] = _Read(t, None, None, label)
+        if _transfer_observers:
+            _notify("download", label, t, host, host.numel() * host.element_size())
+        return host, None
     device = torch.cuda.current_device()
     stream = _download_stream()
     current = torch.cuda.current_stream()
     stream.wait_stream(current)
-    with torch.cuda.stream(stream), label("offload"):
+    with torch.cuda.stream(stream), labels.label("offload"):
         # A cast's output is allocated, read and freed on this stream: ordered.
         src = t.to(dtype)
         host = torch.empty(t.shape, dtype=dtype, pin_memory=pin)
         host.copy_(src, non_blocking=pin)
     done = stream.record_event()
     _release(device)  # the previous copy was queued before this one
-    _reading[device] = _Read(t, done, current if owner is None else owner)
+    _reading[device] = _Read(t, done, current if owner is None else owner, label)
+    if _transfer_observers:
+        _notify("download", label, t, host, host.numel() * host.element_size())
     return host, done
 
 
@@ -151,7 +208,12 @@ def release_downloaded() -> None:
 
 def _release(device: int) -> None:
     read = _reading.pop(device, None)
-    if read is not None:
+    if read is None:
+        return
+    if read.owner is not None and read.done is not None:
         # Stream-ordered: a block reused on ``owner`` is written only after the copy.
         # (After a host synchronize the event is complete and the wait costs nothing.)
         read.owner.wait_event(read.done)
+    if _transfer_observers:
+        t = read.tensor
+        _notify("release", read.label, t, None, t.numel() * t.element_size())

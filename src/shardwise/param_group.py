@@ -39,13 +39,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import collectives, gather
 from .extensions import Extension, PackedGather, has_hooks
 from .flat_shard import FlatShard, local_of
+from .labels import label
 from .precision import resolve_dtypes
 from .reduce import ReduceJob
 from .settings import GroupSettings
 from .sharded_param import ShardedParam
 from .tensor_parallel import TPLayout
 from .trace import active as active_trace
-from .trace import label
 
 
 class GroupState(Enum):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import collectives, offload
-from .trace import label
+from .labels import label
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -185,7 +185,7 @@ class ReduceJob:
         g = self.group
         assert g.settings.offload_policy is not None and self._downloads is not None
         pin = g.settings.offload_policy.pin_memory
-        host, done = offload.download(out, g.orig_dtype, pin, self._owner)
+        host, done = offload.download(out, g.orig_dtype, pin, self._owner, g.label)
         if any(sp.sharded.grad is not None for sp in self.members):
             if done is not None:
                 done.synchronize()  # added to CPU gradients now: they must have arrived

@@ -30,6 +30,23 @@ from typing import Any
 
 import torch
 
+from . import collectives
+
+# The runtime's labels lived here first; labels.py is their home (below the collectives).
+from .labels import _NO_LABEL, LABELS, PREFIX, label, memory_labels
+
+__all__ = [
+    "LABELS",
+    "PREFIX",
+    "_NO_LABEL",
+    "Event",
+    "Tracer",
+    "active",
+    "label",
+    "memory_labels",
+    "trace",
+]
+
 _active: Tracer | None = None
 
 
@@ -75,8 +92,6 @@ class _Clock:
 
 class Tracer:
     def __init__(self) -> None:
-        from . import collectives  # (it imports this module: the timeline observes it)
-
         self.rank = collectives.rank()
         self._clock = _Clock(torch.cuda.is_available() and torch.cuda.is_initialized())
         self._raw: list[tuple[str, str, Any, Any, str, int, dict[str, Any]]] = []
@@ -144,8 +159,6 @@ class Tracer:
             key=lambda ev: ev.start,
         )
         self.events = list(self.local_events)
-        from . import collectives
-
         if collectives.world_size() > 1:
             everyone = collectives.all_gather_objects(self.local_events)
             self.events = [ev for evs in everyone for ev in evs]
@@ -268,8 +281,6 @@ def trace() -> Iterator[Tracer]:
     global _active
     if _active is not None:
         raise RuntimeError("shardwise.trace() is already active; traces do not nest")
-    from . import collectives
-
     tracer = Tracer()
 
     def on_collective(rec: collectives.CollectiveRecord, pending: collectives.Pending) -> None:
@@ -289,89 +300,23 @@ def trace() -> Iterator[Tracer]:
 
         pending.on_done.append(done)
 
-    remove = collectives.add_observer(on_collective)
+    waiting: dict[int, Any] = {}  # id(pending) -> when compute started waiting for it
+
+    def on_wait(pending: collectives.Pending, waited: bool) -> None:
+        # How long compute waited for a collective (a cast, an upload): exposed time.
+        if not waited:
+            waiting[id(pending)] = tracer.now()
+            return
+        start = waiting.pop(id(pending), None)
+        if start is not None:
+            tracer.span("wait", pending.label, start, tracer.now(), kind=pending.kind)
+
+    removers = [collectives.add_observer(on_collective), collectives.add_wait_observer(on_wait)]
     _active = tracer
     try:
         yield tracer
     finally:
         _active = None
-        remove()
+        for remove in removers:
+            remove()
         tracer._finish()
-
-
-# ---- labels for profilers and memory records ---------------------------------------------
-
-# What the runtime labels, so that tools attribute time and memory by what the
-# runtime was doing rather than by its file and function names (which move):
-# "unsharded" (the gathered parameters' storage), "gather" (a gather's copy-in
-# and buffers), "copy-out" (laying a rank-major gather out), "post-forward part"
-# (what reshard_after_forward=int keeps), "reduce" (the gradients' copy-in and
-# reduction buffers), "offload" (copies to and from host memory).
-LABELS = ("unsharded", "gather", "copy-out", "post-forward part", "reduce", "offload")
-PREFIX = "shardwise::"
-
-_memory_labels = False  # set by ``memory_labels()``
-
-
-class _NoLabel:
-    """What ``label`` returns when no profiler or memory record listens: no cost but a call."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_LABEL = _NoLabel()
-
-
-class _Label:
-    __slots__ = ("name", "scope", "before")
-
-    def __init__(self, name: str) -> None:
-        self.name = PREFIX + name
-        self.scope: Any = None
-        self.before: str | None = None
-
-    def __enter__(self) -> None:
-        if torch.autograd._profiler_enabled():
-            self.scope = torch.profiler.record_function(self.name)
-            self.scope.__enter__()
-        if _memory_labels:
-            self.before = torch.cuda.memory._get_memory_metadata()
-            torch.cuda.memory._set_memory_metadata(self.name)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.before is not None:
-            torch.cuda.memory._set_memory_metadata(self.before)
-        if self.scope is not None:
-            self.scope.__exit__(None, None, None)
-
-
-def label(name: str) -> Any:
-    """A scope named ``shardwise::<name>`` (one of ``LABELS``) for torch's profiler
-    (``record_function``) and, inside ``memory_labels()``, for the CUDA allocator's
-    record (each allocation's ``user_metadata``). Outside both it does nothing:
-    the hooks run once per module per step, and a ``record_function`` costs
-    microseconds even with no profiler."""
-    if _memory_labels or _profiler_enabled():
-        return _Label(name)
-    return _NO_LABEL
-
-
-_profiler_enabled = torch.autograd._profiler_enabled  # one C call, looked up once
-
-
-@contextmanager
-def memory_labels() -> Iterator[None]:
-    """Label the CUDA allocator's record with the runtime's scopes (bench/memory.py
-    attributes a peak by them)."""
-    global _memory_labels
-    before, _memory_labels = _memory_labels, True
-    try:
-        yield
-    finally:
-        _memory_labels = before
