@@ -1,4 +1,9 @@
-"""Small models for parity tests: every feature the runtime must get right, in a few lines."""
+"""Small models for parity tests: every feature the runtime must get right, in a few lines.
+
+The test files' shared models live here, one definition each; a model only one file needs
+and made for it stays in that file. Tests compare against one process from fixed seeds,
+so a model's layers are created in a fixed order: keep it.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +16,33 @@ VOCAB = 5  # 5 rows over 4 ranks -> shards of 2, 2, 1, 0 rows: uneven and empty
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, unused: bool = False) -> None:
+    """A pre-norm residual MLP, ``x + fc2(act(fc1(norm(x))))``: norm, fc1 and fc2 made in
+    that order, fc1 of ``hidden`` rows (``2 * d`` unless given), ``act`` gelu or relu."""
+
+    def __init__(
+        self,
+        d: int,
+        unused: bool = False,
+        *,
+        hidden: int | None = None,
+        bias: bool = True,
+        act: str = "gelu",
+    ) -> None:
         super().__init__()
+        if act not in ("gelu", "relu"):
+            raise ValueError(act)
+        hidden = 2 * d if hidden is None else hidden
         self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
+        self.fc1 = nn.Linear(d, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, d, bias=bias)
         # A parameter no forward touches: its grad must stay None, no hang.
         self.unused = nn.Linear(d, 1) if unused else None
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        h = self.fc1(self.norm(x))
+        h = F.gelu(h) if self.act == "gelu" else F.relu(h)
+        return x + self.fc2(h)
 
 
 class Stage(nn.Module):
@@ -96,3 +118,52 @@ class TwoPaths(nn.Module):
         for name in path:  # "ed": encoder then decoder; "e": encoder only; "ede": again
             x = torch.tanh((self.enc if name == "e" else self.dec)(x))
         return self.head(x).square().mean()
+
+
+class Tiny(nn.Module):
+    """An embedding, two bias-free ReLU blocks and a head: the Linear weights that
+    tensor-subclass tests swap (fc1's 13 rows split 7 and 6 over 2 ranks)."""
+
+    def __init__(self, d: int = 8, hidden: int = 13) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(
+            Block(d, hidden=hidden, bias=False, act="relu") for _ in range(2)
+        )
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class TwoLinears(nn.Module):
+    """Two independently sharded, checkpointed linears plus a root with its own weight."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(self.l1, x, use_reentrant=self.reentrant)
+        x = checkpoint(self.l2, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+class Deep(nn.Module):
+    """``n`` square linears, each through tanh, then a head to one output."""
+
+    def __init__(self, n: int = 6, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)

@@ -49,7 +49,7 @@ CONFIGS = {
 }
 
 
-class Block(nn.Module):
+class PostNormBlock(nn.Module):
     def __init__(self, dropout: float, hidden: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(D, hidden)
@@ -61,13 +61,13 @@ class Block(nn.Module):
         return self.norm(x + self.drop(self.fc2(torch.relu(self.fc1(x)))))
 
 
-class Net(nn.Module):
+class PostNormNet(nn.Module):
     """Shapes chosen for uneven and empty shards: 10, 6 and 1 rows over 2, 3, 4 ranks."""
 
     def __init__(self, dropout: float = 0.0, hidden: int = H, blocks: int = 2) -> None:
         super().__init__()
         self.inp = nn.Linear(D_IN, D)
-        self.blocks = nn.ModuleList([Block(dropout, hidden) for _ in range(blocks)])
+        self.blocks = nn.ModuleList([PostNormBlock(dropout, hidden) for _ in range(blocks)])
         self.head = nn.Linear(D, 1)
         self.register_buffer("scale", torch.tensor([1.5]))
 
@@ -78,8 +78,8 @@ class Net(nn.Module):
         return self.head(h) * self.scale
 
 
-class NetPlus(Net):
-    """One parameter more than Net."""
+class PostNormNetPlus(PostNormNet):
+    """One parameter more than PostNormNet."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,7 +107,7 @@ def build(
     dropout, hsdp, mp = CONFIGS[name]
     torch.manual_seed(seed)
     mesh = init_device_mesh(device, (2, world // 2)) if hsdp else None
-    model = shard(Net(dropout).to(device), mesh=mesh, mp=mp)
+    model = shard(PostNormNet(dropout).to(device), mesh=mesh, mp=mp)
     return model, torch.optim.AdamW(model.parameters(), lr=0.02)
 
 
@@ -280,7 +280,7 @@ def second2(root: Path, first2: Any, first4: Any) -> list[dict[str, Any]]:
 def second3(root: Path, first2: Any) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     ref_file = str(root / "plain.pt")
-    torch.save(Net().state_dict(), ref_file)  # a plain single-process checkpoint
+    torch.save(PostNormNet().state_dict(), ref_file)  # a plain single-process checkpoint
     tasks = [  # 3 ranks: some shards are empty
         ("load nodrop from 2", _load_continue, ("nodrop", f"{root}/w2/nodrop")),
         ("full state dict", _full_state_dict, (ref_file,)),
@@ -331,7 +331,7 @@ def test_checkpoints_move_between_hsdp_fsdp_and_plain_models(
     assert same(result(second4, "load fsdp into hsdp"), result(first2, "save nodrop")[3])
     at_save = result(first4, "save hsdp")[3]
     assert same(result(second2, "load hsdp into fsdp"), at_save)
-    plain = Net(0.1)  # one process, no torch.distributed
+    plain = PostNormNet(0.1)  # one process, no torch.distributed
     assert checkpoint.load(root / "w4" / "hsdp", plain, restore_rng=False) == extra_for(K)
     assert same({k: v.numpy() for k, v in plain.state_dict().items()}, at_save)
 
@@ -342,7 +342,7 @@ def test_checkpoints_move_between_hsdp_fsdp_and_plain_models(
 def _full_state_dict(rank: int, world: int, ref_file: str) -> None:
     ref = torch.load(ref_file)
     torch.manual_seed(0)  # the same init as the reference
-    model = shard(Net())
+    model = shard(PostNormNet())
     fsd = checkpoint.full_state_dict(model)
     if rank == 0:
         assert list(fsd) == list(ref) and all(torch.equal(fsd[k], ref[k]) for k in ref)
@@ -359,30 +359,30 @@ def _full_state_dict(rank: int, world: int, ref_file: str) -> None:
     train(model, opt, range(2))
     trained = checkpoint.full_state_dict(model, rank0_only=False)
     torch.manual_seed(5)
-    fresh = shard(Net())
+    fresh = shard(PostNormNet())
     ptrs = [p.to_local().data_ptr() for p in fresh.parameters()]
     checkpoint.load_full_state_dict(fresh, trained if rank == 0 else None)
     assert [p.to_local().data_ptr() for p in fresh.parameters()] == ptrs  # in place
     again = checkpoint.full_state_dict(fresh, rank0_only=False)
     assert all(torch.equal(again[k], trained[k]) for k in trained)
-    plain = Net()
+    plain = PostNormNet()
     plain.load_state_dict(trained)  # any PyTorch code can load an export
     x = batch(0, 0, 1)[0]
     torch.testing.assert_close(fresh(x), plain(x))
 
     # A plain torch.save'd single-process checkpoint, passed on every rank.
     torch.manual_seed(9)
-    other = shard(Net())
+    other = shard(PostNormNet())
     checkpoint.load_full_state_dict(other, torch.load(ref_file))
     assert same(weights(other), {k: v.numpy() for k, v in ref.items()})
 
     # Meta-device init, then weights from rank 0: the usual way to start from an export.
     with torch.device("meta"):
-        meta = Net()
+        meta = PostNormNet()
     shard(meta)
     meta.to_empty(device="cpu")
     checkpoint.load_full_state_dict(meta, torch.load(ref_file) if rank == 0 else None)
-    reference = Net()
+    reference = PostNormNet()
     reference.load_state_dict(torch.load(ref_file))
     torch.testing.assert_close(meta(x), reference(x))
 
@@ -397,9 +397,9 @@ def test_full_state_dict_round_trip(second3: Any) -> None:
 def _interop(rank: int, world: int, root: str) -> None:
     # The state dict contract: original names, DTensor parameters, plain buffers.
     torch.manual_seed(0)
-    ours = shard(Net())
+    ours = shard(PostNormNet())
     sd = ours.state_dict()
-    assert list(sd) == list(Net().state_dict())
+    assert list(sd) == list(PostNormNet().state_dict())
     for k, v in sd.items():
         if k == "scale":
             assert type(v) is torch.Tensor
@@ -408,7 +408,7 @@ def _interop(rank: int, world: int, root: str) -> None:
     # dcp.save/load and load_state_dict work on it directly, in place.
     dcp.save(sd, checkpoint_id=f"{root}/raw")
     torch.manual_seed(1)
-    fresh = shard(Net())
+    fresh = shard(PostNormNet())
     ptrs = [p.to_local().data_ptr() for p in fresh.parameters()]
     fresh_sd = fresh.state_dict()
     dcp.load(fresh_sd, checkpoint_id=f"{root}/raw")
@@ -418,7 +418,7 @@ def _interop(rank: int, world: int, root: str) -> None:
 
     # FSDP2 -> shardwise: DCP's usual {"model", "optim"} layout, then a flat model-only one.
     torch.manual_seed(0)
-    theirs = shard(Net(), fsdp2=True)
+    theirs = shard(PostNormNet(), fsdp2=True)
     topt = torch.optim.AdamW(theirs.parameters(), lr=0.02)
     train(theirs, topt, range(2))
     dcp.save(
@@ -428,7 +428,7 @@ def _interop(rank: int, world: int, root: str) -> None:
     dcp.save(theirs.state_dict(), checkpoint_id=f"{root}/fsdp2_flat")
     at_step2 = weights(theirs)
     torch.manual_seed(5)
-    ours = shard(Net())
+    ours = shard(PostNormNet())
     opt = torch.optim.AdamW(ours.parameters(), lr=0.02)
     assert checkpoint.load(f"{root}/fsdp2", ours, opt) is None  # no extra in a plain DCP folder
     assert same(weights(ours), weights(theirs))
@@ -437,14 +437,14 @@ def _interop(rank: int, world: int, root: str) -> None:
         train(ours, opt, range(2, 4)), train(theirs, topt, range(2, 4)), rtol=1e-6
     )
     torch.manual_seed(6)
-    flat = shard(Net())
+    flat = shard(PostNormNet())
     checkpoint.load(f"{root}/fsdp2_flat", flat)
     assert same(weights(flat), at_step2)
 
     # shardwise -> FSDP2, with DCP's own calls on the FSDP2 side.
     checkpoint.save(f"{root}/ours", ours, opt, extra={"step": 4})
     torch.manual_seed(7)
-    back = shard(Net(), fsdp2=True)
+    back = shard(PostNormNet(), fsdp2=True)
     bopt = torch.optim.AdamW(back.parameters(), lr=0.02)
     state = {"model": get_model_state_dict(back), "optim": get_optimizer_state_dict(back, bopt)}
     dcp.load(state, checkpoint_id=f"{root}/ours")
@@ -453,7 +453,7 @@ def _interop(rank: int, world: int, root: str) -> None:
     assert same(weights(back), weights(ours))
     assert same(opt_state(back, bopt), opt_state(ours, opt))
     torch.manual_seed(8)  # and our helper on an FSDP2 model
-    helper = shard(Net(), fsdp2=True)
+    helper = shard(PostNormNet(), fsdp2=True)
     hopt = torch.optim.AdamW(helper.parameters(), lr=0.02)
     assert checkpoint.load(f"{root}/ours", helper, hopt) == {"step": 4}
     assert same(weights(helper), weights(ours))
@@ -473,7 +473,7 @@ def test_state_dict_contract_and_fsdp2_interop(first2: Any) -> None:
 def _gathered_save(rank: int, world: int, root: str) -> None:
     """A module left gathered (no reshard after backward) still saves its fp32 shards."""
     torch.manual_seed(0)
-    model = shard(Net(), mp=True)
+    model = shard(PostNormNet(), mp=True)
     model.set_reshard_after_backward(False)  # type: ignore[operator]
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     train(model, opt, range(2))
@@ -561,7 +561,7 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     assert (path / ".metadata").is_file() and (tmp_path / "ck.partial").is_dir()
     # Read back without torch.distributed: a plain model loads a sharded checkpoint.
-    plain = Net()
+    plain = PostNormNet()
     assert checkpoint.load(path, plain) == extra_for(1)
     checkpoint.save(path, plain, extra=extra_for(2))
     assert sorted(os.listdir(tmp_path)) == ["ck"]
@@ -571,10 +571,10 @@ def test_crash_between_renames_falls_back_and_recovers(tmp_path: Path) -> None:
     """Single process, no torch.distributed: the commit's one window without ``path``."""
     path = tmp_path / "ck"
     torch.manual_seed(0)
-    model = Net()
+    model = PostNormNet()
     checkpoint.save(path, model, extra=1)
     path.rename(tmp_path / "ck.previous")  # as if killed between the two renames
-    other = Net()
+    other = PostNormNet()
     with pytest.warns(UserWarning, match="interrupted"):
         assert checkpoint.load(path, other) == 1
     assert all(
@@ -594,9 +594,9 @@ def test_crash_between_renames_falls_back_and_recovers(tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own imports
 def test_compiled_model_uses_plain_names(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    compiled = torch.compile(Net())  # wrapped only: nothing is compiled or run
+    compiled = torch.compile(PostNormNet())  # wrapped only: nothing is compiled or run
     checkpoint.save(tmp_path / "ck", compiled, extra=1)
-    plain = Net()
+    plain = PostNormNet()
     assert checkpoint.load(tmp_path / "ck", plain, restore_rng=False) == 1
     exported = checkpoint.full_state_dict(compiled)
     assert list(exported) == list(plain.state_dict())  # no "_orig_mod." prefix
@@ -624,26 +624,26 @@ def _bad_input(rank: int, world: int, root: str) -> None:
         assert same(weights(m), snap[0]) and same(opt_state(m, o), snap[1])
 
     ck = f"{root}/ck"
-    m, o, snap = victim(Net(hidden=12))
+    m, o, snap = victim(PostNormNet(hidden=12))
     expect_error(
         lambda: checkpoint.load(ck, m, o),
         "'blocks.0.fc1.weight' has shape [10, 6] in the checkpoint but [12, 6]",
     )
     unchanged(m, o, snap)
-    m, o, snap = victim(NetPlus())
+    m, o, snap = victim(PostNormNetPlus())
     expect_error(lambda: checkpoint.load(ck, m, o), "'extra.weight' is missing", "[3, 2]")
     unchanged(m, o, snap)
-    m, o, snap = victim(Net(blocks=1))
+    m, o, snap = victim(PostNormNet(blocks=1))
     expect_error(
         lambda: checkpoint.load(ck, m, o),
         "'blocks.1.fc1.weight' (checkpoint shape [10, 6]) is not in the model",
     )
     unchanged(m, o, snap)
-    m, o, snap = victim(Net().double(), steps=0)
+    m, o, snap = victim(PostNormNet().double(), steps=0)
     expect_error(lambda: checkpoint.load(ck, m, o), "'inp.weight' has dtype torch.float32")
     unchanged(m, o, snap)
 
-    m, o, snap = victim(Net())
+    m, o, snap = victim(PostNormNet())
     expect_error(lambda: checkpoint.load(f"{root}/model_only", m, o), "holds no optimizer state")
     unchanged(m, o, snap)
     sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
@@ -651,7 +651,7 @@ def _bad_input(rank: int, world: int, root: str) -> None:
     unchanged(m, o, snap)
 
     # Full state dicts: from rank 0 only (every rank must raise), then from every rank.
-    wide = Net(hidden=12).state_dict()
+    wide = PostNormNet(hidden=12).state_dict()
     expect_error(
         lambda: checkpoint.load_full_state_dict(m, wide if rank == 0 else None),
         "'blocks.0.fc1.weight' has shape [12, 6] in the state dict but [10, 6]",

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dist_utils import run_distributed
+from models import Block
 from shardwise import collectives, fully_shard
 from test_core import assert_between_steps, global_mean
 
@@ -125,30 +126,19 @@ def hf_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return out.loss
 
 
-class Body(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 class SelfCheckpointing(nn.Module):
     """A layer whose own forward checkpoints its body (hooks stay outside)."""
 
     def __init__(self, d: int, reentrant: bool) -> None:
         super().__init__()
-        self.body = Body(d)
+        self.body = Block(d)
         self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.body, x, use_reentrant=self.reentrant)
 
 
-class Stack(nn.Module):
+class LayerStack(nn.Module):
     def __init__(self, layers: list[nn.Module], d: int = 16) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, d)
@@ -184,11 +174,11 @@ def build(case: str) -> tuple[nn.Module, list[nn.Module], Callable[..., torch.Te
         )
 
         impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
-        layers = [checkpoint_wrapper(Body(16), checkpoint_impl=impl) for _ in range(3)]
-        return Stack(layers), layers, stack_loss
+        layers = [checkpoint_wrapper(Block(16), checkpoint_impl=impl) for _ in range(3)]
+        return LayerStack(layers), layers, stack_loss
     if kind == "handwritten":
         layers = [SelfCheckpointing(16, reentrant) for _ in range(3)]
-        return Stack(layers), layers, stack_loss
+        return LayerStack(layers), layers, stack_loss
     raise ValueError(case)
 
 
@@ -251,7 +241,7 @@ class TwoRegions(nn.Module):
 
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
-        self.first, self.second = Body(16), Body(16)
+        self.first, self.second = Block(16), Block(16)
         self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,9 +261,9 @@ def pattern_case(rank: int, world: int, case: str, device: str = "cpu") -> None:
     reentrant = mode == "reentrant"
     torch.manual_seed(0)
     if kind == "root-only":
-        ref = Stack([TwoRegions(reentrant)]).to(device)
+        ref = LayerStack([TwoRegions(reentrant)]).to(device)
     else:
-        ref = Stack([SelfCheckpointing(16, reentrant) for _ in range(2)]).to(device)
+        ref = LayerStack([SelfCheckpointing(16, reentrant) for _ in range(2)]).to(device)
     model = copy.deepcopy(ref)
     if kind != "root-only":
         for layer in model.layers:

@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils.checkpoint import checkpoint
 
 import shardwise
 from dist_utils import run_distributed
-from models import Net, batches, loss_fn
+from models import Deep, Net, TwoLinears, batches, loss_fn
 from shardwise import FSDPModule, Phase, collectives, fully_shard
 from shardwise.param_group import GroupState
 
@@ -165,22 +164,6 @@ def test_parity_with_single_process(case: str) -> None:
 
 
 # ---- the recompute-prefetch regression -----------------------------------------------------------------
-
-
-class TwoLinears(nn.Module):
-    """Two independently sharded, checkpointed linears plus a root with its own weight."""
-
-    def __init__(self, reentrant: bool) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(4, 4)
-        self.l2 = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 1)
-        self.reentrant = reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = checkpoint(self.l1, x, use_reentrant=self.reentrant)
-        x = checkpoint(self.l2, x, use_reentrant=self.reentrant)
-        return self.head(x)
 
 
 def recompute_prefetch_worker(rank: int, world: int, reentrant: bool, device: str = "cpu") -> None:
@@ -589,18 +572,6 @@ def test_model_recovers_after_an_exception_in_forward_or_backward() -> None:
 
 
 # ---- memory behaviour that a CPU can check ----------------------------------------------------
-
-
-class Deep(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
 
 
 def gathered_at_once_worker(rank: int, world: int, prefetch: int) -> list[int]:

@@ -13,8 +13,9 @@ import torch.nn as nn
 
 import shardwise
 from dist_utils import run_distributed
+from models import Deep, TwoLinears
 from shardwise import LifecycleError, Phase, fully_shard
-from test_core import TwoLinears, assert_between_steps
+from test_core import assert_between_steps
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,16 +59,11 @@ def test_broken_lifecycle_raises_only_with_checks(check: bool) -> None:
         assert msg == ""
 
 
-class ThreeBlocks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
-        self.head = nn.Linear(6, 1)
+class ThreeBlocks(Deep):
+    """Three blocks of width 6 (its own class: the trace labels the root by its name)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
+    def __init__(self) -> None:
+        super().__init__(3, d=6)
 
 
 def trace_worker(rank: int, world: int, out: str) -> dict:

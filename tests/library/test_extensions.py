@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 import shardwise
 from dist_utils import named_check_test
-from models import VOCAB, batches
+from models import VOCAB, Tiny, batches
 from shardwise import collectives, fully_shard
 from test_core import global_mean
 
@@ -140,31 +140,6 @@ class PreOnly(Bf16Gather):
         if name == "fsdp_post_all_gather":
             raise AttributeError(name)
         return super().__getattribute__(name)
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, hidden, bias=False)  # 13 rows over 2 ranks: 7 and 6
-        self.fc2 = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.relu(self.fc1(self.norm(x))))
-
-
-class Tiny(nn.Module):
-    def __init__(self, d: int = 8, hidden: int = 13) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, d)
-        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(2))
-        self.head = nn.Linear(d, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 def linears(model: Tiny) -> list[nn.Linear]:

@@ -17,13 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import shardwise
 from dist_utils import named_check_test
-from models import Net, TwoPaths, batches, loss_fn
+from models import Block, Net, TwoPaths, batches, loss_fn
 from shardwise import collectives, fully_shard
 from test_core import (
     assert_between_steps,
@@ -264,7 +263,8 @@ def check_reshard_int_edges(rank: int, world: int) -> None:
     fully_shard(whole, reshard_after_forward=world)  # the whole group: plain True
     assert whole._shardwise_state.settings.post_forward_group is None
     # Not yet with a tensor subclass that gathers itself (test_extensions.py).
-    from test_extensions import Tiny, convert
+    from models import Tiny
+    from test_extensions import convert
 
     model = convert(Tiny())
     before = model.blocks[0].fc1.weight
@@ -343,21 +343,10 @@ def check_compiled_blocks(rank: int, world: int) -> None:
 # ---- dp_mesh_dims: parameters already DTensors on the full SPMD mesh ------------------------
 
 
-class SpmdBlock(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 16)
-        self.fc2 = nn.Linear(16, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 class SpmdNet(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([SpmdBlock(d), SpmdBlock(d)])
+        self.blocks = nn.ModuleList([Block(d, hidden=16), Block(d, hidden=16)])
         self.head = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -266,7 +266,7 @@ def check_two_forwards_and_separable(rank: int, world: int) -> None:
         handle.remove()
 
 
-class Twice(nn.Module):
+class BlockTwice(nn.Module):
     """One block in two reentrant-checkpointed regions, another between them."""
 
     def __init__(self, d: int = 16) -> None:
@@ -288,7 +288,7 @@ def check_refusals_in_backward(rank: int, world: int) -> None:
     that raised steps none of the reductions still pending, and the caller's next use
     of the optimizer cleans it up."""
     torch.manual_seed(0)
-    model = Twice()
+    model = BlockTwice()
     for m in (model.blk, model.mid, model):
         fully_shard(m)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

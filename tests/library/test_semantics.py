@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from dist_utils import run_distributed
 from models import Net, batches, loss_fn
 from shardwise import FSDPModule, MixedPrecisionPolicy, Phase, collectives, fully_shard
-from test_core import assert_between_steps, global_mean, shard_net, step_and_compare
+from test_core import Boom, assert_between_steps, global_mean, shard_net, step_and_compare
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -324,10 +324,6 @@ def test_autograd_grad_and_parameter_hooks() -> None:
 
 
 # ---- reset_iter_state after an exception --------------------------------------------------------
-
-
-class Boom(RuntimeError):
-    pass
 
 
 def reset_worker(rank: int, world: int, device: str = "cpu") -> None:

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import checkpoint
 
+import models
 import shardwise
 import shardwise.checkpoint as sw_checkpoint
 from dist_utils import check_results, run_distributed
@@ -42,15 +43,12 @@ HIDDEN = 12  # fc1 rows: 6 per tp rank, then 3 per dp rank (tp x dp must divide 
 SEQ = 8
 
 
-class MLPBlock(nn.Module):
-    def __init__(self, d: int = D) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, d)
+class MLPBlock(models.Block):
+    """The tests' pre-norm block, HIDDEN rows wide (a class: the checks below subclass it
+    and take it as a factory)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+    def __init__(self, d: int = D) -> None:
+        super().__init__(d, hidden=HIDDEN)
 
 
 class Body(nn.Module):

@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models import Block
+
 from .common import (
     check_sharded_by,
     close,
@@ -58,21 +60,11 @@ def setup(rank: int, world: int, impl: str, folder: str) -> None:
     import lightning  # noqa: F401  (after patch_fsdp2, as a user's script imports it)
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc1, self.fc2 = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
 class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.blocks = nn.ModuleList([Block(DIM) for _ in range(2)])
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
