@@ -1,20 +1,31 @@
-"""The planner: one rank of any world size simulated, to predict memory and step time.
+"""shardwise_plan: one rank of any world size simulated, to predict memory and step time.
 
-``shardwise.plan(build, world_size, batch_size=..., seq_len=..., policy=...)``
-runs the real runtime under torch's fake process group and fake tensors
-(simulate.py), watches every storage and operator (tracker.py) and replays
-the step against a machine's rates (timeline.py). ``fastest_within`` searches
-the policies for one that fits a memory budget.
+    from shardwise_plan import H100, Policy, plan
+
+    p = plan(build, 512, batch_size=2, seq_len=2048, policy=Policy(mp="bf16"),
+             hardware=H100, optimizer="adamw-fused")
+    print(p.peak_bytes, p.step_ms)
+
+``plan`` runs shardwise's real runtime under torch's fake process group and
+fake tensors (simulate.py), watches every storage and operator (tracker.py,
+through ``shardwise.observe``) and replays the step against a machine's rates
+(timeline.py). ``fastest_within`` searches the policies for one that fits a
+memory budget. The library never imports this package.
 """
 
+from .hardware import B200, CPU, H100, H200, HARDWARE, Hardware
+from .optimizers import OPTIMIZERS
 from .plan import GIB, NothingFits, Plan, candidate_policies, fastest_within, plan
-from .policy import H200, HARDWARE, THIS_CPU, Hardware, Policy
+from .policy import Policy
 
 __all__ = [
+    "B200",
+    "CPU",
     "GIB",
+    "H100",
     "H200",
     "HARDWARE",
-    "THIS_CPU",
+    "OPTIMIZERS",
     "Hardware",
     "NothingFits",
     "Plan",

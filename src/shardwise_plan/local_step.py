@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .. import collectives
-from ..api import hsdp_mesh
+from .optimizers import DEFAULT
 from .policy import Policy
 from .setup import InputFn, LossFn, apply_policy, make_optimizer
+from .world import fake_world, mesh
 
 WARM_STEPS = 2  # the optimizer state, the recorded orders, caches
 TIMED_STEPS = 9
@@ -65,10 +65,11 @@ def local_step_seconds(
     hsdp: int,
     input_fn: InputFn,
     loss_fn: LossFn,
+    optimizer: str = DEFAULT,
 ) -> float:
     """The median wall time of one training step of rank 0, every collective local."""
-    with collectives.fake_world(world):
-        mesh = hsdp_mesh(hsdp, "cpu") if hsdp > 1 else collectives.device_mesh("cpu", (world,))
+    with fake_world(world):
+        world_mesh = mesh(world, hsdp)
         torch.manual_seed(0)
         model = build()
         if any(p.is_meta for p in model.parameters()):
@@ -79,8 +80,8 @@ def local_step_seconds(
                         t.normal_(0.0, 0.02)
                     else:
                         t.zero_()
-        apply_policy(model, policy, mesh)
-        opt = make_optimizer(model, "cpu", policy.offload)
+        apply_policy(model, policy, world_mesh)
+        opt = make_optimizer(model, "cpu", policy.offload, optimizer)
         data = input_fn(model, batch, seq)
 
         def step() -> None:
@@ -148,7 +149,9 @@ def _available_bytes() -> int:
     return 8 * 2**30
 
 
-def host_optimizer_seconds(layouts: list[Layout], max_bytes: int | None = None) -> HostStep:
+def host_optimizer_seconds(
+    layouts: list[Layout], max_bytes: int | None = None, optimizer: str = DEFAULT
+) -> HostStep:
     """The offloaded optimizer's step over this rank's shards (``layouts``), run for real
     on this host: torch's for-loop AdamW, as the offloaded run makes it, on DTensors
     under a one-rank fake group, so DTensor's dispatch is in it.
@@ -166,16 +169,16 @@ def host_optimizer_seconds(layouts: list[Layout], max_bytes: int | None = None) 
 
     cap = max_bytes if max_bytes is not None else min(HOST_MAX_BYTES, _available_bytes() // 4)
     sample, share = sample_layouts(layouts, cap)
-    with collectives.fake_world(1):
-        mesh = collectives.device_mesh("cpu", (1,))
+    with fake_world(1):
+        one = mesh(1)
         params = nn.ParameterList()
         for shape, dtype in sample:
             # ones and a small gradient: no denormals, no NaNs in the square root
             on = [Shard(0) if shape else Replicate()]
-            p = nn.Parameter(DTensor.from_local(torch.ones(shape, dtype=dtype), mesh, on))
-            p.grad = DTensor.from_local(torch.full(shape, 1e-3, dtype=dtype), mesh, on)
+            p = nn.Parameter(DTensor.from_local(torch.ones(shape, dtype=dtype), one, on))
+            p.grad = DTensor.from_local(torch.full(shape, 1e-3, dtype=dtype), one, on)
             params.append(p)
-        opt = make_optimizer(params, "cpu", offload=True)
+        opt = make_optimizer(params, "cpu", True, optimizer)
         times = _step_times(opt.step, HOST_WARM_STEPS, HOST_TIMED_STEPS)
         del opt, params
     return HostStep(

@@ -1,4 +1,4 @@
-"""``shardwise.plan``: will this model fit, and how fast will a step be, on N GPUs with this policy?
+"""``shardwise_plan.plan``: will this model fit, and how fast will a step be, on N GPUs with this policy?
 
 One call simulates one rank (simulate.py), replays its step against the
 target's rates (timeline.py) and says it as a ``Plan``; with a budget it
@@ -19,9 +19,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .hardware import H200, Hardware
 from .local_step import HostStep, Layout, host_optimizer_seconds, local_step_seconds
 from .op_costs import measure
-from .policy import H200, Hardware, Policy
+from .optimizers import DEFAULT, resolve
+from .policy import Policy
 from .setup import InputFn, LossFn, lm_loss, token_batch
 from .simulate import check_world, simulate
 from .timeline import StepTime, op_seconds, replay
@@ -44,6 +46,7 @@ class Plan:
     policy: Policy
     hardware: Hardware
     n_params: int
+    optimizer: str  # what was modelled (optimizers.OPTIMIZERS)
     # Device bytes, allocator rounding included. On gloo (a CPU target) a launch's
     # peak lies between two ends by which of gloo's buffers are live when it peaks
     # (timeline.staging_live): ``peak_bytes_in_step``, ranks in step, each gathered
@@ -65,6 +68,8 @@ class Plan:
     memory_curve: list[tuple[float, int, str]] = field(default_factory=list)  # (ms, bytes, phase)
     # How compute was timed: {"mode": "rates"} or measured (op_costs.py) with its counts.
     compute: dict[str, Any] = field(default_factory=lambda: {"mode": "rates"})
+    # An optimizer asked for by a name the planner does not know: how it was modelled.
+    optimizer_note: str = ""
 
     @property
     def step_ms(self) -> float:
@@ -85,6 +90,8 @@ class Plan:
             "policy": self.policy.as_dict(),
             "hardware": self.hardware.as_dict(),
             "n_params": self.n_params,
+            "optimizer": self.optimizer,
+            **({"optimizer_note": self.optimizer_note} if self.optimizer_note else {}),
             "peak_bytes": self.peak_bytes,
             "peak_gib": self.peak_bytes / GIB,
             "peak_bytes_in_step": self.peak_bytes_in_step,
@@ -101,12 +108,12 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=2)
-def _host_step(layouts: tuple[Layout, ...]) -> HostStep:
+def _host_step(layouts: tuple[Layout, ...], optimizer: str) -> HostStep:
     """The host's optimizer step over these shards, timed once a process: a budget
     search plans every offloaded candidate on the same shards (their layouts do not
     depend on checkpointing, resharding or prefetch), and each timing costs the
     shards' state in host memory and nine steps."""
-    return host_optimizer_seconds(list(layouts))
+    return host_optimizer_seconds(list(layouts), optimizer=optimizer)
 
 
 def _curve(
@@ -131,14 +138,18 @@ def plan(
     loss_fn: LossFn = lm_loss,
     compute: str = "rates",
     slowdown: float = 1.0,
+    optimizer: str = DEFAULT,
 ) -> Plan:
     """Predict one training step of ``build()``'s model at ``world_size`` ranks.
 
     ``build`` makes the model (it runs under fake tensors; a model it leaves on
     the meta device is materialized as fake). Each block (its largest
     ``nn.ModuleList``'s members) and then the root are ``fully_shard``-ed as
-    ``policy`` says; forward, backward and an AdamW step run on the real
-    runtime under a fake process group. ``batch_size`` is sequences per rank.
+    ``policy`` says; forward, backward and an ``optimizer`` step run on the real
+    runtime under a fake process group. ``optimizer``: one of
+    ``optimizers.OPTIMIZERS`` ("adamw", torch's default AdamW; "adamw-foreach",
+    "adamw-fused", "sgd"); another name is modelled as "adamw", and the plan's
+    ``optimizer_note`` says so. ``batch_size`` is sequences per rank.
     ``hsdp`` > 1: a ``(hsdp, world_size // hsdp)`` replicate x shard mesh.
     ``compute``: "rates" times each operator from its FLOPs and bytes at
     ``hardware``'s rates; "measured" runs each distinct operator on this
@@ -156,6 +167,7 @@ def plan(
     measured = compute == "measured"
     if measured:
         check_measurable(hardware)
+    spec, note = resolve(optimizer)
     sim = simulate(
         build,
         world_size,
@@ -167,6 +179,7 @@ def plan(
         input_fn,
         loss_fn,
         record_calls=measured,
+        optimizer=spec.name,
     )
     how: dict[str, Any] = {"mode": compute}
     host_scale = 1.0
@@ -192,7 +205,7 @@ def plan(
             # it behind the GPU's work; on the host nothing does). The optimizer's
             # whole step, run for real, has both right; the operators keep their
             # shares of it, and one that could not be timed alone is inside it.
-            host = _host_step(tuple(sim.host_layouts))
+            host = _host_step(tuple(sim.host_layouts), spec.name)
             one_by_one = sum(e.seconds or 0.0 for e in ops if e.host)
             scale = host.seconds / one_by_one if one_by_one > 0 else 1.0
             for e in ops:
@@ -219,7 +232,7 @@ def plan(
             # The Python between the operators shares the rank's core with them:
             # the rank's real step (local_step.py) says how much it adds.
             local = slowdown * local_step_seconds(
-                build, world_size, policy, batch_size, seq_len, hsdp, input_fn, loss_fn
+                build, world_size, policy, batch_size, seq_len, hsdp, input_fn, loss_fn, spec.name
             )
             one_rank = not any(e.kind == "issue" for e in sim.events)  # else copies are comm
             ops_s = sum(op_seconds(e, hardware, copies=one_rank) for e in ops)
@@ -233,7 +246,13 @@ def plan(
                 threads=torch.get_num_threads(),  # the rank's, as timed here
             )
     t = replay(
-        sim.events, hardware, world_size, policy.offload, sim.host_params, host_scale=host_scale
+        sim.events,
+        hardware,
+        world_size,
+        policy.offload,
+        sim.host_params,
+        host_scale=host_scale,
+        host_bytes_per_param=spec.host_bytes_per_param,
     )
     return Plan(
         world_size=world_size,
@@ -243,6 +262,8 @@ def plan(
         policy=policy,
         hardware=hardware,
         n_params=sim.n_params,
+        optimizer=spec.name,
+        optimizer_note=note,
         peak_bytes=sim.peak_bytes,
         peak_bytes_in_step=sim.peak_bytes_in_step,
         peak_bytes_drifting=sim.peak_bytes_drifting,

@@ -19,9 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..api import fully_shard
-from ..offload import CPUOffloadPolicy
-from ..precision import MixedPrecisionPolicy
+from shardwise import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from .optimizers import build_optimizer
 from .policy import Policy
 
 
@@ -100,7 +100,9 @@ def lm_loss(model: nn.Module, data: tuple[Any, ...]) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), data[1].flatten())
 
 
-def make_optimizer(model: nn.Module, device: str, offload: bool = False) -> torch.optim.Optimizer:
-    """AdamW as a training run makes it: foreach on CUDA (torch's default there), the
-    for-loop on the CPU and for offloaded (host) parameters."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=device == "cuda" and not offload)
+def make_optimizer(
+    model: nn.Module, device: str, offload: bool = False, optimizer: str = "adamw"
+) -> torch.optim.Optimizer:
+    """The optimizer named (optimizers.py) over ``model``'s parameters, as a training
+    run on ``device`` makes it (offloaded parameters step on the host)."""
+    return build_optimizer(model.parameters(), optimizer, device, offload)

@@ -27,13 +27,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import collectives
-from ..api import hsdp_mesh
+from shardwise import observe
+
+from .hardware import BLAS_THREADS, Hardware
 from .local_step import Layout
-from .policy import BLAS_THREADS, Hardware, Policy
+from .optimizers import DEFAULT
+from .policy import Policy
 from .setup import InputFn, LossFn, apply_policy, lm_loss, make_optimizer, token_batch
 from .timeline import staging_live
-from .tracker import Event, Tracker, saving_as_activations, storages_of
+from .tracker import Event, Stop, Tracker, saving_as_activations, storages_of
+from .world import fake_world, mesh
 
 PARAMS, GRADS, OPTIM = "sharded_params", "grads", "optimizer_state"
 WORKSPACES = "blas_workspaces"
@@ -112,8 +115,10 @@ def simulate(
     input_fn: InputFn = token_batch,
     loss_fn: LossFn = lm_loss,
     record_calls: bool = False,
+    optimizer: str = DEFAULT,
 ) -> Simulation:
-    """Three training steps of ``build()``'s model under ``policy`` at ``world`` ranks.
+    """Three training steps of ``build()``'s model under ``policy`` at ``world`` ranks,
+    stepping ``optimizer`` (optimizers.py).
 
     ``record_calls``: keep each operator's call on its event, to be timed
     (op_costs.py)."""
@@ -128,11 +133,8 @@ def simulate(
     moved: dict[str, int] = {}
     offload = policy.offload
 
-    with collectives.fake_world(world):
-        if hsdp > 1:
-            mesh = hsdp_mesh(hsdp, "cpu")
-        else:
-            mesh = collectives.device_mesh("cpu", (world,))
+    with fake_world(world):
+        world_mesh = mesh(world, hsdp)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with (
             fake,
@@ -145,10 +147,10 @@ def simulate(
             model = build()
             if any(p.is_meta for p in model.parameters()):
                 model = model.to_empty(device="cpu")
-            blocks = apply_policy(model, policy, mesh)
+            blocks = apply_policy(model, policy, world_mesh)
             params = list(model.parameters())
             n_params = sum(p.numel() for p in params)
-            opt = make_optimizer(model, hw.device, offload)
+            opt = make_optimizer(model, hw.device, offload, optimizer)
             host_params = 0
             host_layouts: list[Layout] = []
             if offload:
@@ -162,7 +164,9 @@ def simulate(
                 grads = [p.grad for p in params if p.grad is not None]
                 tracker.mark_host(storages_of([getattr(g, "_local_tensor", g) for g in grads]))
 
-            def observe(rec: Any, pending: Any) -> None:
+            issued: dict[int, tuple[Any, int]] = {}  # id(pending): (pending, its key)
+
+            def on_collective(rec: Any, pending: Any) -> None:
                 staging = tracker.take_staging()
                 if tracker.events is None:
                     return
@@ -171,6 +175,7 @@ def simulate(
                     whole[rec.kind] = whole.get(rec.kind, 0) + rec.nbytes
                     moved[rec.kind] = moved.get(rec.kind, 0) + share
                 key = len(tracker.events)  # unique within the step (an id may be reused)
+                issued[id(pending)] = (pending, key)
                 tracker.record(
                     kind="issue",
                     coll=rec.kind,
@@ -183,14 +188,20 @@ def simulate(
                     parts=rec.parts,
                 )
 
-                def done(p: Any) -> None:
-                    if offload:
-                        grads_to_host()
-                    tracker.record(kind="wait", key=key)
+            def on_wait(pending: Any, done: bool) -> None:
+                if not done:
+                    return
+                _, key = issued.pop(id(pending), (None, -1))
+                if key < 0:
+                    return  # a cast or an upload (the tracker's), or an earlier step's
+                if offload:
+                    grads_to_host()
+                tracker.record(kind="wait", key=key)
 
-                pending.on_done.append(done)
-
-            remove = collectives.add_observer(observe)
+            removers = [
+                observe.add_collective_observer(on_collective),
+                observe.add_wait_observer(on_wait),
+            ]
             by_kind: dict[str, int] = {}
             host: dict[str, int] = {}
             stop_at = -1
@@ -211,6 +222,7 @@ def simulate(
                 for step in range(3):
                     recording = counting = step == 1
                     tracker.events = [] if step >= 1 else None
+                    issued.clear()
                     tracker.peak = 0
                     tracker.host_peak = tracker.host_total
                     stopped = _one_step(
@@ -247,7 +259,8 @@ def simulate(
                     if stopped:
                         break
             finally:
-                remove()
+                for remove in removers:
+                    remove()
                 for h in handles:
                     h.remove()
     at = events[peak_index]
@@ -269,10 +282,6 @@ def simulate(
     )
 
 
-class _Stop(Exception):
-    """The third step reached the recorded peak: what is live now is the answer."""
-
-
 def _one_step(
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -284,17 +293,9 @@ def _one_step(
     stop_at: int,
     at_stop: Callable[[], None],
 ) -> bool:
-    events = tracker.events
-    if stop_at >= 0 and events is not None:
-        record = tracker.record
-
-        def stopping(**kw: Any) -> None:
-            record(**kw)
-            if len(events) > stop_at:
-                at_stop()  # before anything unwinds and frees
-                raise _Stop
-
-        tracker.record = stopping  # type: ignore[method-assign]
+    """One training step; with ``stop_at`` >= 0, stopped once that event is recorded,
+    ``at_stop()`` first (tracker.Stop). True if it stopped."""
+    tracker.stop_at, tracker.at_stop = stop_at, at_stop
     try:
         tracker.phase, tracker.module = "forward", ""
         data = input_fn(model, batch, seq)
@@ -306,11 +307,10 @@ def _one_step(
         opt.step()
         opt.zero_grad(set_to_none=True)
         return False
-    except _Stop:
+    except Stop:
         return True
     finally:
-        if stop_at >= 0:
-            del tracker.record
+        tracker.stop_at, tracker.at_stop = -1, None
 
 
 def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .policy import Hardware
+from .hardware import Hardware
 from .tracker import Event
 
 # AdamW reads a parameter, its gradient and two moments and writes the parameter and
@@ -90,9 +90,11 @@ def replay(
     offload: bool = False,
     host_params: int = 0,
     host_scale: float = 1.0,
+    host_bytes_per_param: int = ADAMW_BYTES_PER_PARAM,
 ) -> StepTime:
-    """``host_params``: elements of the offloaded shards, whose AdamW step runs on the
-    host at ``hw.host_adamw_bw`` (``ADAMW_BYTES_PER_PARAM`` each). ``host_scale``:
+    """``host_params``: elements of the offloaded shards, whose optimizer step runs on
+    the host at ``hw.host_adamw_bw`` (``host_bytes_per_param`` each: the optimizer's,
+    optimizers.py). ``host_scale``:
     every operator's time times this (a CPU's Python between them, measured). Host
     operators timed on this machine (op_costs) are charged their measured times
     in place of the AdamW rate's share."""
@@ -102,7 +104,7 @@ def replay(
     per_byte = 0.0
     if host_params and host_bytes and not measured:
         rate = hw.host_adamw_bw or hw.host_mem_bw
-        per_byte = host_params * ADAMW_BYTES_PER_PARAM / rate / host_bytes
+        per_byte = host_params * host_bytes_per_param / rate / host_bytes
     # More than one rank: an offloaded gather's upload and a reduction's download
     # are timed with the collective (comm_seconds). At one rank they run on their
     # own streams (offload.py), one each way, beside compute: a module's compute

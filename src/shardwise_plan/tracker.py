@@ -15,11 +15,10 @@ gathered parameters, tensors autograd saves); parameters, gradients and
 optimizer state are recognised when the caller takes a ``snapshot``.
 
 With offload every storage is a CPU tensor here, host or not, so host memory
-is classified: what the caller marks (the shards), what ``offload.download``
-returns (the gradients) and what an operator makes from host storages only
-(the optimizer's moments and temporaries). Only the rest is device memory,
-and to it ``offload_copies`` adds what a GPU run's copies hold on the device
-that a CPU run's do not (the tensor a download reads, an upload's copy).
+is classified: what the caller marks (the shards), what a download returns
+(the gradients: the runtime's transfer observer says which) and what an
+operator makes from host storages only (the optimizer's moments and
+temporaries), an upload's copy excepted. The rest is device memory.
 """
 
 from __future__ import annotations
@@ -90,11 +89,20 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any)
     return float(fn(*args, **kwargs, out_val=out)) if fn is not None else 0.0
 
 
+class Stop(Exception):
+    """The step reached the event it was to stop at (``Tracker.stop_at``): what is live
+    now is the answer, taken by ``Tracker.at_stop`` before anything unwinds and frees."""
+
+
 @dataclass
 class _Live:
     nbytes: int
     tag: str
     ref: Any = field(repr=False)
+    # The event its operator recorded (-1: none), in that step's list: a copy that
+    # offload makes is reclassified from there on (Tracker.offload_copies).
+    born: int = -1
+    events: Any = field(default=None, repr=False)
 
 
 class Tracker(TorchDispatchMode):
@@ -117,6 +125,15 @@ class Tracker(TorchDispatchMode):
         self.unbound: list[int] = []
         self.staging_now = 0  # at a snapshot: staging buffers live then
         self.record_calls = False  # keep each operator's call, to be timed (op_costs.py)
+        # offload: each group's last upload (by label) and its event, until its wait
+        self.uploads: dict[str, tuple[list[Event], int]] = {}
+        # Stop the step once event ``stop_at`` is recorded, ``at_stop()`` first; an
+        # offload copy's operator is stopped at once its transfer has said which side
+        # the copy is on (``_stop_pending`` until then).
+        self.stop_at = -1
+        self.at_stop: Callable[[], None] | None = None
+        self._stop_pending = False
+        self.watching_copies = False  # inside offload_copies
 
     def take_staging(self) -> tuple[int, ...]:
         """Bytes of gloo staging of the collective just issued, one figure per
@@ -150,7 +167,9 @@ class Tracker(TorchDispatchMode):
             self._resized(key, s)
             return
         n = self._size(s.nbytes())
-        self.live[key] = _Live(n, tag, weakref.ref(s))
+        events = self.events
+        born = len(events) if events is not None else -1
+        self.live[key] = _Live(n, tag, weakref.ref(s), born, events)
         self.total += self._device_bytes(key, n)
         weakref.finalize(s, self._freed, key)
 
@@ -185,97 +204,93 @@ class Tracker(TorchDispatchMode):
 
     @contextmanager
     def offload_copies(self) -> Iterator[None]:
-        """Offload's copies, counted as a GPU run holds them (every storage is a CPU
-        tensor here, so a CPU run's copies alias what a GPU run copies):
+        """Offload's copies, as a GPU run holds them, seen through the runtime's
+        transfer and wait observers (``shardwise.observe``). Under an offload policy
+        the runtime makes each copy in a storage of its own, on a CPU run too, and
+        holds a download's device tensor until the next download or the end of
+        backward as a GPU run does; what the tracker adds is which side each is on:
 
-        - what ``offload.download`` returns is host memory from the moment it exists,
-          in a storage of its own (a CPU run's ``.to`` returns the device buffer
-          itself); the device tensor it read stays device memory until the next
-          download or ``offload.release_downloaded``, as the real download holds it;
-        - ``offload.upload`` makes a device copy of the shard in the shard's dtype
-          (a CPU run returns the shard), live until its caller has cast it into
-          the gathered parameters (one block's fp32 shard under bf16).
+        - what a download returns is host memory from the moment it exists (the
+          operator that made it counted it as the device's: taken off there);
+        - an upload's copy is device memory, though the operator that made it read
+          host storages only (so it was taken for the host's: put back).
 
-        Each copy is one event carrying the bytes that cross (``transfer``). At one
-        rank a gather is only its upload (``gather.CastBeside``), run on a stream of
-        its own and waited for where the runtime waits for the gather: that upload's
-        event gets a key and the wait is recorded with it, so the replay holds the
-        module's compute until its own upload is done (timeline.py).
+        Each copy's event carries the bytes that cross (``transfer``) instead of a
+        kernel's. At one rank a gather is only its upload, run on a stream of its
+        own and waited for where the runtime waits for the gather (a ``Pending`` of
+        kind "upload", with the group's label): that upload's event gets a key and
+        the wait is recorded with it, so the replay holds the module's compute until
+        its own upload is done (timeline.py).
         """
-        from .. import gather, offload
+        from shardwise import observe
 
-        download0, release0, upload0 = offload.download, offload.release_downloaded, offload.upload
-        tracker = self
-        reading: list[torch.Tensor] = []  # the device tensor the last download read
+        def waited(pending: Any, done: bool) -> None:
+            if not done or getattr(pending, "kind", "") != "upload":
+                return
+            events, at = self.uploads.pop(getattr(pending, "label", ""), (None, -1))
+            if events is not None and events is self.events:  # the same step's record
+                events[at].key = -1 - at
+                self.record(kind="wait", key=-1 - at)
 
-        def download(t: torch.Tensor, dtype: torch.dtype, pin: bool, owner: Any = None) -> Any:
-            host, done = download0(t, dtype, pin, owner)
-            if host.untyped_storage() is t.untyped_storage():
-                host = tracker._quietly(lambda: torch.empty(t.shape, dtype=dtype))
-            tracker.track(host)
-            tracker.mark_host([host.untyped_storage()])
-            tracker.tag(t, COMM)
-            reading[:] = [t]  # the previous one goes once this one is issued
-            tracker.record(kind="op", transfer=host.numel() * host.element_size(), to_host=True)
-            return host, done
-
-        def release_downloaded() -> None:
-            release0()
-            reading.clear()
-
-        def upload(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
-            out = upload0(flat, device)
-            if out is not flat or id(flat.untyped_storage()) not in tracker.host_storages:
-                return out
-            # Fake tensors: the copy's values do not matter, its storage does.
-            copy = tracker._quietly(lambda: torch.empty(flat.shape, dtype=flat.dtype))
-            tracker.tag(copy, COMM)
-            tracker.record(kind="op", transfer=flat.numel() * flat.element_size())
-            return copy
-
-        issue0 = gather.CastBeside.issue
-
-        def issue(way: Any, g: Any) -> Any:
-            events = tracker.events
-            start = len(events) if events is not None else 0
-            pending = issue0(way, g)
-            if pending is None or events is None:
-                return pending
-            made = [
-                i for i in range(start, len(events)) if events[i].transfer and not events[i].to_host
-            ]
-            if not made:  # a cast, not an upload
-                return pending
-            key = -1 - made[-1]
-            events[made[-1]].key = key
-
-            def waited(_p: Any) -> None:
-                if tracker.events is events:  # the same step's record
-                    tracker.record(kind="wait", key=key)
-
-            pending.on_done.append(waited)
-            return pending
-
-        offload.download = download  # type: ignore[assignment]
-        offload.release_downloaded = release_downloaded  # type: ignore[assignment]
-        offload.upload = upload  # type: ignore[assignment]
-        gather.CastBeside.issue = issue  # type: ignore[method-assign, assignment]
+        removers = [
+            observe.add_transfer_observer(self._transferred),
+            observe.add_wait_observer(waited),
+        ]
+        self.watching_copies = True
         try:
             yield
         finally:
-            gather.CastBeside.issue = issue0  # type: ignore[method-assign]
-            offload.download = download0  # type: ignore[assignment]
-            offload.release_downloaded = release0  # type: ignore[assignment]
-            offload.upload = upload0  # type: ignore[assignment]
-            reading.clear()
+            self.watching_copies = False
+            for remove in removers:
+                remove()
+            self.uploads.clear()
 
-    def _quietly(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A tensor made without an event of its own (the copy that makes it is one)."""
-        events, self.events = self.events, None
-        try:
-            return make()
-        finally:
-            self.events = events
+    def _transferred(self, t: Any) -> None:
+        """One of offload's copies (``observe.Transfer``): see ``offload_copies``."""
+        if t.kind not in ("upload", "download") or t.out is None:
+            return  # a release: the runtime lets go of the tensor, its finalizer counts it
+        out = t.out
+        self.track(out)
+        entry = self.live[id(out.untyped_storage())]
+        events = self.events
+        at = entry.born if events is not None and entry.events is events else -1
+        to_host = t.kind == "download"
+        self._move(out.untyped_storage(), to_host, at)
+        if to_host:
+            self.tag(t.src, COMM)  # the reduced shard, held by the runtime until released
+        else:
+            entry.tag = entry.tag or COMM
+        if at < 0:
+            self.record(kind="op", transfer=t.nbytes, to_host=to_host)
+            at = len(events) - 1 if events is not None else -1
+        else:
+            # The operator that made the copy is the copy: it crosses, it is no kernel.
+            e = events[at]  # type: ignore[index]
+            e.nbytes, e.flops, e.matmul, e.host, e.call = 0, 0.0, False, False, None
+            e.transfer, e.to_host = t.nbytes, to_host
+        if not to_host and events is not None and at >= 0:
+            self.uploads[t.label] = (events, at)
+        if self._stop_pending:
+            self._stop()
+
+    def _move(self, storage: Any, to_host: bool, since: int) -> None:
+        """Count ``storage`` as host (or device) memory, and as such in the events
+        recorded since ``since`` (its operator's), which counted it on the other side."""
+        key = id(storage)
+        entry = self.live.get(key)
+        if entry is None or (key in self.host_storages) == to_host:
+            return
+        if to_host:
+            self.mark_host([storage])
+        else:
+            self.host_storages.discard(key)
+            self.host_total -= entry.nbytes
+            self.total += entry.nbytes
+        if since >= 0 and self.events is not None:
+            delta = -entry.nbytes if to_host else entry.nbytes
+            for e in self.events[since:]:
+                e.live += delta
+        self._note()
 
     @contextmanager
     def watching_resize(self) -> Iterator[None]:
@@ -300,12 +315,29 @@ class Tracker(TorchDispatchMode):
     def _note(self) -> None:
         self.peak = max(self.peak, self.total)
 
-    def record(self, **kw: Any) -> None:
+    def record(self, copy: bool = False, **kw: Any) -> None:
+        """An event, now. ``copy``: an operator that may be one of offload's copies
+        (``_transferred`` then reclassifies it), so a stop there waits for that."""
         self._note()
-        if self.events is not None:
-            self.events.append(Event(live=self.total, phase=self.phase, module=self.module, **kw))
+        if self.events is None:
+            return
+        self.events.append(Event(live=self.total, phase=self.phase, module=self.module, **kw))
+        if 0 <= self.stop_at < len(self.events):
+            if copy:
+                self._stop_pending = True
+            else:
+                self._stop()
+
+    def _stop(self) -> None:
+        self._stop_pending = False
+        self.stop_at = -1
+        if self.at_stop is not None:
+            self.at_stop()
+        raise Stop
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self._stop_pending:  # no transfer came after the copy's operator
+            self._stop()
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         leaves = tree_flatten((args, kwargs))[0]
@@ -362,6 +394,7 @@ class Tracker(TorchDispatchMode):
             dtensor=dt,
             transfer=transfer,
             call=call,
+            copy=self.watching_copies and func is torch.ops.aten._to_copy.default,
         )
         return out
 

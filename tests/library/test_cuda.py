@@ -238,8 +238,8 @@ def offload_peak_worker(rank: int, world: int) -> dict[str, Any]:
     (which makes the optimizer state), and what the device holds before the model."""
     from shardwise import offload
     from shardwise.api import default_mesh
-    from shardwise.planner import Policy
-    from shardwise.planner.setup import apply_policy, lm_loss, make_optimizer, token_batch
+    from shardwise_plan import Policy
+    from shardwise_plan.setup import apply_policy, lm_loss, make_optimizer, token_batch
     from shardwise_app.models.gpt import GPT, GPTConfig
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -276,7 +276,7 @@ def offload_peak_worker(rank: int, world: int) -> dict[str, Any]:
 
 def _offload_plan(compute: str = "rates") -> dict[str, Any]:
     """The planner on the offloaded GPT the tests below run: its peak and how it timed."""
-    from shardwise.planner import H200, Policy, plan
+    from shardwise_plan import H200, Policy, plan
     from shardwise_app.models.gpt import GPT, GPTConfig
 
     p = plan(
@@ -301,8 +301,8 @@ def test_cuda_offloaded_peak_is_repeatable_and_predicted() -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from shardwise.planner import H200
-    from shardwise.planner.policy import BLAS_THREADS
+    from shardwise_plan import H200
+    from shardwise_plan.hardware import BLAS_THREADS
 
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         predicted = pool.submit(_offload_plan).result(timeout=300)["peak_bytes"]

@@ -62,8 +62,8 @@ def _train(ac: str, offload: bool, steps: int, after: Callable[[str], None]) -> 
     import torch
 
     from shardwise.api import default_mesh
-    from shardwise.planner import Policy
-    from shardwise.planner.setup import apply_policy, lm_loss, make_optimizer, token_batch
+    from shardwise_plan import Policy
+    from shardwise_plan.setup import apply_policy, lm_loss, make_optimizer, token_batch
     from shardwise_app.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)

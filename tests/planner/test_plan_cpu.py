@@ -25,14 +25,14 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_gloo_pays_a_latency_per_tensor_nccl_one_per_gather() -> None:
-    from shardwise.planner import H200, THIS_CPU
-    from shardwise.planner.timeline import comm_seconds
-    from shardwise.planner.tracker import Event
+    from shardwise_plan import H200, CPU
+    from shardwise_plan.timeline import comm_seconds
+    from shardwise_plan.tracker import Event
 
     def gather(parts: int) -> Event:
         return Event("issue", 0, "forward", "b", coll="all_gather", nbytes=0, group=2, parts=parts)
 
-    cpu = replace(THIS_CPU, latency=1e-3)
+    cpu = replace(CPU, latency=1e-3)
     assert comm_seconds(gather(5), cpu, 2, False) == pytest.approx(5e-3)
     assert comm_seconds(gather(1), cpu, 2, False) == pytest.approx(1e-3)
     gpu = replace(H200, latency=1e-3)
@@ -42,13 +42,13 @@ def test_gloo_pays_a_latency_per_tensor_nccl_one_per_gather() -> None:
 def _plans() -> dict[str, Any]:
     import torch
 
-    from shardwise.planner import THIS_CPU, Policy, plan
+    from shardwise_plan import CPU, Policy, plan
     from shardwise_app.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
     cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
     kw: dict[str, Any] = dict(batch_size=2, seq_len=32, compute="measured")
-    p = plan(lambda: GPT(cfg), 2, hardware=THIS_CPU, **kw)
+    p = plan(lambda: GPT(cfg), 2, hardware=CPU, **kw)
 
     def slow() -> Any:  # 10 ms of Python before each block: no operator at all
         model = GPT(cfg)
@@ -56,12 +56,12 @@ def _plans() -> dict[str, Any]:
             b.register_forward_pre_hook(lambda *_: time.sleep(0.01))
         return model
 
-    hooked = plan(slow, 2, hardware=THIS_CPU, **kw)
+    hooked = plan(slow, 2, hardware=CPU, **kw)
     gathers = [e for e in _events(lambda: GPT(cfg)) if e.kind == "issue" and e.coll == "all_gather"]
     per_block = sum(1 for _ in GPT(cfg).blocks[0].parameters())
     off = Policy(offload=True)
-    slow = replace(THIS_CPU, host_adamw_bw=THIS_CPU.host_adamw_bw / 100)
-    o1 = plan(lambda: GPT(cfg), 1, policy=off, hardware=THIS_CPU, **kw)
+    slow = replace(CPU, host_adamw_bw=CPU.host_adamw_bw / 100)
+    o1 = plan(lambda: GPT(cfg), 1, policy=off, hardware=CPU, **kw)
     o2 = plan(lambda: GPT(cfg), 1, policy=off, hardware=slow, **kw)
     return {
         "compute": p.compute,
@@ -76,10 +76,10 @@ def _plans() -> dict[str, Any]:
 
 
 def _events(build: Any) -> list[Any]:
-    from shardwise.planner import THIS_CPU, Policy
-    from shardwise.planner.simulate import simulate
+    from shardwise_plan import CPU, Policy
+    from shardwise_plan.simulate import simulate
 
-    return simulate(build, 2, Policy(), THIS_CPU, 2, 32).events
+    return simulate(build, 2, Policy(), CPU, 2, 32).events
 
 
 def _has_gpu() -> bool:
@@ -116,16 +116,16 @@ def test_one_gpu_copies_run_beside_compute_a_cpu_copies_on_its_core() -> None:
     """Offload at one rank: on a GPU the uploads and downloads have streams of their own
     (offload.py), so a step is its compute or its copies, whichever is longer, and the
     optimizer waits for both; on a CPU the rank's core does everything in turn."""
-    from shardwise.planner import H200, THIS_CPU
-    from shardwise.planner.timeline import replay
-    from shardwise.planner.tracker import Event
+    from shardwise_plan import H200, CPU
+    from shardwise_plan.timeline import replay
+    from shardwise_plan.tracker import Event
 
     def op(phase: str, up: int = 0, down: int = 0) -> Event:
         return Event("op", 0, phase, "b", nbytes=1, transfer=up or down, to_host=bool(down))
 
     events = [op("forward", up=1000), op("backward", up=1000), op("backward", down=1000)]
     events += [op("optimizer")]
-    for hw in (H200, THIS_CPU):
+    for hw in (H200, CPU):
         hw = replace(hw, h2d_bw=1000.0, op_overhead=0.0, mem_bw=1e12, view_overhead=0.0)
         t = replay(events, hw, world=1)
         if hw.device == "cuda":
@@ -234,7 +234,7 @@ def test_gloo_runs_a_modules_gather_two_tensors_at_a_time_each_in_a_buffer_of_it
     each tensor's size on this thread besides, never more than all of them (the
     in-step figure at the issue)."""
     from dist_utils import run_distributed
-    from shardwise.planner.timeline import GLOO_THREADS
+    from shardwise_plan.timeline import GLOO_THREADS
 
     world, numels = 2, [1 << 14, 1 << 12, 1 << 15, 1 << 13, 1 << 11]
     flat = [world * n * 4 for n in numels]
@@ -315,12 +315,12 @@ def test_the_held_handle_lives_past_the_wait_and_goes_on_this_thread() -> None:
 
 
 def test_a_cpu_targets_reduce_scatter_carries_its_input_as_staging() -> None:
-    from shardwise.planner import H200, THIS_CPU, Policy
-    from shardwise.planner.simulate import simulate
+    from shardwise_plan import H200, CPU, Policy
+    from shardwise_plan.simulate import simulate
     from shardwise_app.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
-    for hw in (THIS_CPU, H200):
+    for hw in (CPU, H200):
         events = simulate(lambda: GPT(cfg), 2, Policy(), hw, 2, 32).events
         reduces = [e for e in events if e.kind == "issue" and e.coll == "reduce_scatter"]
         assert reduces
@@ -334,8 +334,8 @@ def test_gloo_ranks_in_step_free_a_gathers_buffer_as_it_runs_and_a_clone_at_its_
     each gloo buffer from the issue to the wait; ranks in step free a gather's flat
     buffer as soon as it has run, while a reduce-scatter's clone stays to the wait
     either way (the work handle holds it)."""
-    from shardwise.planner.timeline import staging_live
-    from shardwise.planner.tracker import Event
+    from shardwise_plan.timeline import staging_live
+    from shardwise_plan.tracker import Event
 
     def ev(kind: str, key: int = 0, coll: str = "", staging: int = 0) -> Event:
         return Event(kind, 0, "forward", "", coll=coll, key=key, staging=staging)
@@ -367,12 +367,12 @@ def test_gloo_ranks_in_step_free_a_gathers_buffer_as_it_runs_and_a_clone_at_its_
 
 
 def test_a_cpu_targets_peak_is_the_middle_of_its_ranks_in_step_and_drifting() -> None:
-    from shardwise.planner import H200, THIS_CPU, Policy, plan
+    from shardwise_plan import H200, CPU, Policy, plan
     from shardwise_app.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(seq_len=32, n_layer=3, n_head=2, d_model=64)
     policy = Policy(ac="non-reentrant")  # a gather prefetched before a recomputation
-    cpu = plan(lambda: GPT(cfg), 2, batch_size=2, seq_len=32, policy=policy, hardware=THIS_CPU)
+    cpu = plan(lambda: GPT(cfg), 2, batch_size=2, seq_len=32, policy=policy, hardware=CPU)
     low, high = cpu.peak_bytes_in_step, cpu.peak_bytes_drifting
     assert low < cpu.peak_bytes < high and cpu.peak_bytes == low + (high - low) // 2
     # The breakdown is the in-step peak's, the half added to gloo's buffers.

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from cli_helpers import shardwise
-from shardwise.planner import THIS_CPU, Policy, plan
-from shardwise.planner.op_costs import Call, TensorSpec, call_spec, measure
-from shardwise.planner.timeline import op_seconds
-from shardwise.planner.tracker import Event
+from shardwise_plan import CPU, Policy, plan
+from shardwise_plan.op_costs import Call, TensorSpec, call_spec, measure
+from shardwise_plan.timeline import op_seconds
+from shardwise_plan.tracker import Event
 from shardwise_app.cli.main import UsageError
 from shardwise_app.cli.plan_rates import load_rates
 
@@ -56,7 +56,7 @@ def test_call_spec_rebuilds_layouts_and_measure_times_each_distinct_call_once() 
 
 
 def test_sample_layouts_keeps_all_that_fit_and_else_a_share_of_each_layout() -> None:
-    from shardwise.planner.local_step import sample_layouts
+    from shardwise_plan.local_step import sample_layouts
 
     f32 = torch.float32
     layouts = [((4, 8), f32)] * 10 + [((100,), f32)]
@@ -76,8 +76,8 @@ def test_host_optimizer_step_is_run_for_real_under_a_group_of_its_own(
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from shardwise.planner import local_step
-    from shardwise.planner.local_step import HOST_TIMED_STEPS, host_optimizer_seconds
+    from shardwise_plan import local_step
+    from shardwise_plan.local_step import HOST_TIMED_STEPS, host_optimizer_seconds
 
     stepped: list[torch.Tensor] = []
 
@@ -106,16 +106,16 @@ def test_host_optimizer_step_is_run_for_real_under_a_group_of_its_own(
 
 def test_replay_uses_a_measured_time_instead_of_the_roofline() -> None:
     e = Event(kind="op", live=0, phase="forward", module="", flops=1e12, nbytes=8, matmul=True)
-    roofline = op_seconds(e, THIS_CPU)
+    roofline = op_seconds(e, CPU)
     assert roofline > 1.0  # a TFLOP at the CPU's tens of GFLOP/s
     e.seconds = 1e-3
-    assert op_seconds(e, THIS_CPU) == 1e-3
+    assert op_seconds(e, CPU) == 1e-3
     e.dtensor = True  # DTensor's dispatch comes on top of what the local op costs
-    assert op_seconds(e, THIS_CPU) == pytest.approx(1e-3 + THIS_CPU.dtensor_overhead)
+    assert op_seconds(e, CPU) == pytest.approx(1e-3 + CPU.dtensor_overhead)
 
 
 def test_measured_plan_times_the_recorded_operators() -> None:
-    kw = dict(batch_size=1, seq_len=32, policy=Policy(), hardware=THIS_CPU)
+    kw = dict(batch_size=1, seq_len=32, policy=Policy(), hardware=CPU)
     measured = plan(_tiny, 2, compute="measured", **kw)  # type: ignore[arg-type]
     c = measured.compute
     assert c["mode"] == "measured" and c["failed"] == 0 and c["distinct_calls"] > 10
@@ -144,7 +144,7 @@ def _one_line(out: object, message: str) -> None:
 
 
 def test_rates_file_round_trips_into_the_plan(tmp_path: Path) -> None:
-    rates = dataclasses.replace(THIS_CPU, name="mine", matmul_flops_fp32=1e9, source="test")
+    rates = dataclasses.replace(CPU, name="mine", matmul_flops_fp32=1e9, source="test")
     (tmp_path / "r.json").write_text(json.dumps(dataclasses.asdict(rates)))
     out = shardwise(
         "plan", *TINY, "--world-size", "4", "--rates", "r.json", "--json", "p.json", cwd=tmp_path
@@ -157,9 +157,9 @@ def test_rates_file_round_trips_into_the_plan(tmp_path: Path) -> None:
 def test_a_gpu_rates_file_from_before_the_workspace_keeps_the_default(tmp_path: Path) -> None:
     """Files calibrate wrote before it measured cuBLAS's workspace get torch's Hopper
     default for a GPU (not none at all), and none for a CPU."""
-    from shardwise.planner import H200
+    from shardwise_plan import H200
 
-    for hw, expect in ((H200, 32 << 20), (THIS_CPU, 0)):
+    for hw, expect in ((H200, 32 << 20), (CPU, 0)):
         d = dataclasses.asdict(hw)
         del d["blas_workspace"]
         (tmp_path / "r.json").write_text(json.dumps(d))
@@ -198,7 +198,7 @@ def test_bad_rates_file_is_refused(tmp_path: Path, content: str | None, message:
     ],
 )
 def test_bad_rate_is_refused(tmp_path: Path, field: str, value: object, message: str) -> None:
-    d = dataclasses.asdict(THIS_CPU)
+    d = dataclasses.asdict(CPU)
     d[field] = value
     (tmp_path / "r.json").write_text(json.dumps(d))
     with pytest.raises(UsageError, match=message):
@@ -213,7 +213,7 @@ def test_bad_rates_file_is_one_line_on_the_command_line(tmp_path: Path) -> None:
 
 
 def test_rates_and_hardware_together_is_one_line(tmp_path: Path) -> None:
-    (tmp_path / "r.json").write_text(json.dumps(dataclasses.asdict(THIS_CPU)))
+    (tmp_path / "r.json").write_text(json.dumps(dataclasses.asdict(CPU)))
     out = shardwise(
         "plan", *TINY, "--rates", "r.json", "--hardware", "cpu", "--world-size", "4", cwd=tmp_path
     )
@@ -235,7 +235,7 @@ def test_calibrate_writes_rates_that_plan_accepts(tmp_path: Path) -> None:
         assert math.isfinite(d[name]) and d[name] > 0, (name, d[name])
     assert "2 ranks at once" in d["source"]
     # Two ranks measured their all-gather: not the assumed default any more.
-    assert d["intra_bw"] != THIS_CPU.intra_bw and d["latency"] != THIS_CPU.latency
+    assert d["intra_bw"] != CPU.intra_bw and d["latency"] != CPU.latency
     again = shardwise("plan", *TINY, "--world-size", "4", "--rates", "r.json", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
 
@@ -266,7 +266,7 @@ def test_a_cpu_calibration_takes_the_bus_from_two_sizes_and_the_latency_beside_c
     what a gather adds to a round of ``BUSY_S`` compute it was issued before, per
     tensor: here the wire's latency less the compute that hid it (a bare loop
     would report the wire's whole latency, 1.25 ms a tensor)."""
-    from shardwise.planner import calibrate
+    from shardwise_plan import calibrate
 
     wire = _Wire(latency=1.25e-3, bw=0.5e9)
     rates = _calibrated_over(wire.all_gather_each, monkeypatch)
@@ -301,7 +301,7 @@ def test_one_lucky_round_does_not_move_a_cpu_calibrations_bus(
 def _calibrated_over(gather: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
     """``calibrate._collective_rates`` at 2 CPU ranks whose gathers are ``gather``."""
     from shardwise import collectives
-    from shardwise.planner import calibrate
+    from shardwise_plan import calibrate
 
     monkeypatch.setattr(collectives, "all_gather_each", gather)
     monkeypatch.setattr(collectives, "world_size", lambda group=None: 2)

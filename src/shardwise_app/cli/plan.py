@@ -322,7 +322,7 @@ def main(argv: list[str]) -> int:
         from .plan_rates import calibrate_worker, is_calibrating_worker, run_calibration
 
         return calibrate_worker(args) if is_calibrating_worker(args) else run_calibration(args)
-    from shardwise.planner import GIB, HARDWARE, NothingFits, Policy, fastest_within, plan
+    from shardwise_plan import GIB, HARDWARE, NothingFits, Policy, fastest_within, plan
 
     if args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
@@ -373,7 +373,7 @@ def main(argv: list[str]) -> int:
     if args.compute == "measured":
         import torch
 
-        from shardwise.planner.plan import check_measurable
+        from shardwise_plan.plan import check_measurable
 
         try:
             check_measurable(hw)

@@ -2,7 +2,7 @@
 
 Why measured this way: a check of the planner must not share its mechanism.
 The planner counts storages under fake tensors; here the same model and
-policy (``shardwise.planner.setup``, so the build is identical) train on real
+policy (``shardwise_plan.setup``, so the build is identical) train on real
 tensors in worker processes our launcher starts (gloo ranks on a CPU, one
 process per GPU on CUDA), and the peak comes from the allocator: on CUDA
 ``torch.cuda.max_memory_allocated``, on the CPU the allocation and free
@@ -157,8 +157,8 @@ def run_worker(args: Any, build: Any) -> int:
     import torch.distributed as dist
 
     from shardwise import hsdp_mesh
-    from shardwise.planner import Policy
-    from shardwise.planner.setup import apply_policy, lm_loss, make_optimizer, token_batch
+    from shardwise_plan import Policy
+    from shardwise_plan.setup import apply_policy, lm_loss, make_optimizer, token_batch
 
     w = init_worker()
     cuda = w.device.type == "cuda"

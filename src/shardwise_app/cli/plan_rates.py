@@ -1,7 +1,7 @@
 """``shardwise plan --calibrate`` and ``--rates FILE``: this machine's rates, measured once and stated.
 
 Why a file: a predicted step is only as good as the rates behind it, and the
-built-in ones (``shardwise.planner.policy``) are one H200 and one 2-core CPU.
+built-in ones (``shardwise_plan.policy``) are one H200 and one 2-core CPU.
 ``--calibrate`` measures the machine it runs on (``planner.calibrate``) and
 writes every rate as JSON; ``--rates FILE`` predicts with them, and the
 plan's JSON says which rates it used.
@@ -55,7 +55,7 @@ def is_calibrating_worker(args: Any) -> bool:
 def calibrate_worker(args: Any) -> int:
     import torch.distributed as dist
 
-    from shardwise.planner.calibrate import calibrate
+    from shardwise_plan.calibrate import calibrate
 
     w = init_worker()
     dist.barrier()  # every rank measures at the same time
@@ -72,7 +72,7 @@ def calibrate_worker(args: Any) -> int:
 
 def load_rates(path: str) -> Any:
     """A ``Hardware`` from a ``--calibrate`` file; one clear error for a wrong one."""
-    from shardwise.planner import Hardware
+    from shardwise_plan import Hardware
 
     fields = {f.name: f for f in dataclasses.fields(Hardware)}
     try:
@@ -122,7 +122,7 @@ def load_rates(path: str) -> Any:
     if values.get("device", "cuda") == "cuda" and "blas_workspace" not in values:
         # Written before calibrate measured it: torch's default on the GPUs these
         # files came from (Hopper), rather than no workspaces at all.
-        from shardwise.planner import H200
+        from shardwise_plan import H200
 
         values["blas_workspace"] = H200.blas_workspace
     return Hardware(**values)
