@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from cli_helpers import shardwise
-from shardwise_app.cli.plan_measure import CPU_TIMED_S, TIMED_STEPS
+from shardwise_plan.measure import CPU_TIMED_S, TIMED_STEPS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,6 +57,9 @@ def test_plan_runs_at_world_64_and_writes_json_and_plot(tmp_path: Path) -> None:
         (["--world-size", "64", "--hsdp", "3"], "--hsdp 3 does not divide --world-size 64"),
         (["--world-size", "8", "--reshard-after-forward", "3"], "must divide the shard group"),
         (["--world-size", "8", "--budget", "0.00001"], "no policy fits"),
+        (["--world-size", "8", "--launches", "2"], "counts --measure's runs"),
+        (["--world-size", "8", "--mp", "fp8"], "argument --mp: invalid choice: 'fp8'"),
+        (["--world-size", "8", "--optimizer", "lion"], "argument --optimizer: invalid choice"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
@@ -70,22 +73,49 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--suite", "scaling", "--rows", "0,12"], "give distinct indexes 0 to 11 of suite"),
-        (["--suite", "cpu", "--rows", "two"], "--rows 'two': give distinct indexes 0 to 11"),
-        ([*TINY, "--world-size", "8", "--rows", "0"], "give --suite NAME too"),
-        ([*TINY, "--world-size", "8", "--launches", "2"], "counts --measure's runs"),
-        (["--suite", "cpu", "--launches", "0"], "--launches must be at least 1, got 0"),
-        (["--suite", "scaling", "--launches", "3"], "the scaling suite measures none"),
+        (["--json", "/no/such/dir/p.json"], "--json /no/such/dir/p.json: there is no folder"),
+        (["--plot", "/no/such/dir/x.png"], "--plot /no/such/dir/x.png: there is no folder"),
+        (["--json", "."], "--json .: is a folder"),
+        (["--plot", "x.unknown"], "--plot x.unknown: matplotlib writes"),
     ],
 )
-def test_bad_suite_rows_and_launches_are_one_line_and_run_nothing(
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(
     tmp_path: Path, args: list[str], message: str
 ) -> None:
-    out = shardwise("plan", *args, "--json", "s.json", cwd=tmp_path)
+    """Planning comes first and takes minutes on a large model: an output path it could
+    not write at the end is one line and exit 2 before it starts (nothing planned, so
+    nothing printed), and nothing is left behind."""
+    out = shardwise(
+        "plan", "--model", "large", "--world-size", "512", *args, cwd=tmp_path, timeout=60
+    )
     assert out.returncode == 2, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], out.stderr
-    assert out.stdout == "" and not (tmp_path / "s.json").exists()
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr, out.stderr
+    assert out.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path: Path) -> None:
+    out = shardwise("calibrate", "--out", "/no/such/dir/r.json", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "shardwise calibrate: error: --out /no/such/dir/r.json: there is no folder '/no/such/dir'"
+    ]
+    assert out.stdout == ""
+
+
+def test_help_fits_a_screen_and_shows_defaults(tmp_path: Path) -> None:
+    """A few flags, each with its default; the hidden worker modes and the calibration are
+    gone from it (``shardwise calibrate``, ``python -m shardwise_plan.worker``); the
+    budget says what it costs."""
+    out = shardwise("plan", "--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    flags = {w.strip("[],") for w in out.stdout.split() if w.startswith(("--", "[--"))}
+    assert len(flags) <= 20, sorted(flags)
+    for hidden in ("--calibrate", "--measure-out", "--suite", "--compute", "--nproc"):
+        assert hidden not in flags
+    text = " ".join(out.stdout.split())
+    for default in ("(default: tiny)", "(default: 8)", "(default: 4)", "(default: adamw)"):
+        assert default in text, default
+    assert "it takes up to 16 plans' time" in text
 
 
 def test_unknown_model_is_one_line(tmp_path: Path) -> None:
@@ -98,8 +128,8 @@ def test_unknown_model_is_one_line(tmp_path: Path) -> None:
 
 
 def _search() -> dict[str, Any]:
-    from shardwise_plan import GIB, Policy, fastest_within
     from shardwise_app.models.gpt import GPT, SIZES
+    from shardwise_plan import GIB, Policy, fastest_within
 
     frugal, keep = Policy(ac="non-reentrant"), Policy(reshard_after_forward=False)
     kw: dict[str, Any] = dict(batch_size=2, seq_len=64, policies=[frugal, keep])
@@ -126,8 +156,8 @@ def test_budget_picks_the_fastest_policy_that_fits() -> None:
 
 
 def _cpu_budget() -> dict[str, Any]:
-    from shardwise_plan import CPU, NothingFits, Policy, fastest_within
     from shardwise_app.models.gpt import GPT, SIZES
+    from shardwise_plan import CPU, NothingFits, Policy, fastest_within
 
     def build() -> Any:
         return GPT(SIZES["tiny"])
@@ -197,8 +227,8 @@ STATES = ("sharded_params", "grads", "optimizer_state")
 
 
 def _offload_plans() -> dict[str, Any]:
-    from shardwise_plan import H200, Policy, plan
     from shardwise_app.models.gpt import GPT, SIZES
+    from shardwise_plan import H200, Policy, plan
 
     def run(world: int, ac: str, offload: bool, hw: Any = H200) -> Any:
         p = plan(
@@ -253,8 +283,8 @@ def test_offload_counts_the_states_as_host_memory_for_a_cuda_target() -> None:
 def _workspace_plans() -> dict[str, Any]:
     from dataclasses import replace
 
-    from shardwise_plan import H200, CPU, plan
     from shardwise_app.models.gpt import GPT, SIZES
+    from shardwise_plan import CPU, H200, plan
 
     def run(hw: Any) -> Any:
         p = plan(lambda: GPT(SIZES["tiny"]), 2, batch_size=2, seq_len=64, hardware=hw)
@@ -324,8 +354,8 @@ def test_offload_copies_count_what_a_gpu_run_holds() -> None:
 
 
 def _offload_copies_plan() -> dict[str, Any]:
-    from shardwise_plan import H200, Policy, plan
     from shardwise_app.models.gpt import GPT, GPTConfig
+    from shardwise_plan import H200, Policy, plan
 
     cfg = GPTConfig(seq_len=512, n_layer=4, n_head=8, d_model=1024)
     p = plan(
@@ -374,10 +404,10 @@ def test_one_gpu_replay_holds_a_modules_compute_until_its_own_upload() -> None:
 
 
 def _offloaded_one_gpu_events() -> dict[str, Any]:
+    from shardwise_app.models.gpt import GPT, GPTConfig
     from shardwise_plan import H200, Policy
     from shardwise_plan.simulate import simulate
     from shardwise_plan.timeline import replay
-    from shardwise_app.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(seq_len=256, n_layer=3, n_head=4, d_model=512)
     policy = Policy(mp="bf16", offload=True)
@@ -410,124 +440,10 @@ def test_one_gpu_offload_records_where_each_upload_is_waited_for() -> None:
     assert out["held_s"] > out["unheld_s"], out
 
 
-def test_suite_writes_its_json_after_every_row(tmp_path: Path, monkeypatch: Any) -> None:
-    """A suite cut short (the GPU machine's limit on one command) keeps the rows it had."""
-    from types import SimpleNamespace
-
-    from shardwise_app.cli import plan_suite
-
-    rows = [["--model", "tiny", "--world-size", str(w), "--hsdp", "1"] for w in (8, 64)]
-    monkeypatch.setitem(plan_suite.SUITES, "scaling", rows)
-    calls = []
-
-    def run(cmd: list[str], **_: Any) -> SimpleNamespace:
-        calls.append(cmd)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # the second configuration never finishes
-        prediction = {
-            "peak_bytes": 2**30,
-            "peak_where": {"phase": "backward", "module": "blocks.0"},
-            "peak_by_kind": {"grads": 2**29},
-            "step_ms": 12.5,
-            "time": {"exposed_comm_ms": 1.0},
-            "collectives": {"bytes_per_rank": {"all_gather": 2**30}},
-        }
-        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(prediction))
-        return SimpleNamespace(returncode=0, stdout="", stderr="")
-
-    monkeypatch.setattr(plan_suite.subprocess, "run", run)
-    out = tmp_path / "suite.json"
-    with pytest.raises(KeyboardInterrupt):
-        plan_suite.run_suite("scaling", str(out))
-    doc = json.loads(out.read_text())
-    assert doc["complete"] is False and "only" not in doc
-    assert [r["argv"] for r in doc["rows"]] == [" ".join(rows[0])]
-    assert doc["rows"][0]["predicted_step_ms"] == 12.5
-    assert "| tiny | 8 | FSDP | 1.00 |" in out.with_suffix(".md").read_text()
-
-
-def test_a_suite_timing_on_this_machine_pairs_each_prediction_with_a_launch_after_it(
-    tmp_path: Path, monkeypatch: Any
-) -> None:
-    """With compute timed here each row is predicted and measured in pairs, one process
-    each (predict, then one launch), so that both sides sample the same minutes of the
-    machine; the row compares the median prediction (and that plan's breakdown) with
-    the median launch, each rank's peak the median of the runs'. --rows runs only the
-    configurations named."""
-    from types import SimpleNamespace
-
-    from shardwise_app.cli import plan_suite
-
-    assert plan_suite.CPU_PAIRS == 5
-    configs = [["--model", "tiny", "--world-size", str(w)] for w in (2, 4, 8)]
-    monkeypatch.setitem(plan_suite.SUITES, "cpu", configs)
-    calls: list[list[str]] = []
-    steps = iter([100.0, 130.0, 90.0, 140.0, 80.0])  # the median: the first draw
-    launched = iter([95.0, 120.0, 99.0, 150.0, 70.0])  # the median: 99
-    peaks = iter([30, 31, 29, 40, 30])  # MiB on rank 0; the median 30
-
-    def run(cmd: list[str], **_: Any) -> SimpleNamespace:
-        calls.append(cmd)
-        step, launch = next(steps), next(launched)
-        plan = {
-            "step_ms": step,
-            "peak_bytes": 2**25,
-            "peak_bytes_in_step": 2**25,
-            "peak_bytes_drifting": 2**25,
-            "peak_where": {"phase": "backward", "module": "blocks.0"},
-            "time": {"compute_ms": step - 10, "comm_ms": 10.0},
-            "compute": {"local_step_ms": step - 10},
-            "measured": {
-                "peak_bytes": [next(peaks) * 2**20, 2**25],
-                "frees_unrecorded": [0, 1],
-                "step_ms": launch,
-                "step_ms_per_launch": [launch],
-                "step_ms_per_rank": [launch, launch - 1],
-                "step_ms_per_rank_per_launch": [[launch, launch - 1]],
-                "device": "cpu",
-            },
-        }
-        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(plan))
-        return SimpleNamespace(returncode=0, stdout="", stderr="")
-
-    monkeypatch.setattr(plan_suite.subprocess, "run", run)
-    out = tmp_path / "suite.json"
-    extra = ["--rates", "r.json", "--compute", "measured"]
-    plan_suite.run_suite("cpu", str(out), extra, only=plan_suite.suite_rows("cpu", "1"))
-    assert len(calls) == 5
-    assert all(c.count("--measure") == 1 for c in calls)  # every process predicts, then runs
-    assert all(c[c.index("--launches") + 1] == "1" for c in calls)  # one launch each
-    assert all(c[c.index("--world-size") + 1] == "4" for c in calls)  # row 1 only
-    doc = json.loads(out.read_text())
-    assert doc["complete"] is True and doc["only"] == [1] and len(doc["rows"]) == 1
-    row = doc["rows"][0]
-    assert row["predicted_step_ms_per_draw"] == [100.0, 130.0, 90.0, 140.0, 80.0]
-    assert row["predicted_step_ms"] == 100.0 and row["predicted_compute_ms"] == 90.0
-    assert row["measured_step_ms_per_launch"] == [95.0, 120.0, 99.0, 150.0, 70.0]
-    assert row["measured_step_ms"] == 99.0
-    assert row["step_error_pct"] == pytest.approx(100 * 1 / 99)
-    assert row["step_error_pct_per_pair"][0] == pytest.approx(100 * 5 / 95)
-    assert row["measured_peak_bytes"] == 30 * 2**20
-    assert row["measured_peak_bytes_per_run"] == [m * 2**20 for m in (30, 31, 29, 40, 30)]
-    assert row["measured_frees_unrecorded"] == [0, 5]
-    # --launches sets the pairs; a suite timed from rates measures once, with N launches
-    calls.clear()
-    steps = iter([100.0] * 2)
-    launched = iter([95.0] * 2)
-    peaks = iter([30] * 2)
-    plan_suite.run_suite("cpu", str(out), extra, only=[0], launches=2)
-    assert len(calls) == 2 and all(c[c.index("--launches") + 1] == "1" for c in calls)
-    calls.clear()
-    steps, launched, peaks = iter([100.0]), iter([95.0]), iter([30])
-    rated = ["--rates", "r.json", "--compute", "rates"]
-    plan_suite.run_suite("cpu", str(out), rated, only=[0], launches=4)
-    assert len(calls) == 1 and calls[0][calls[0].index("--launches") + 1] == "4"
-
-
 def test_measured_cpu_peak_takes_off_a_block_freed_where_the_profiler_could_not_see() -> None:
     """gloo's thread sometimes frees a reduce-scatter's clone unrecorded: an address handed
     out again ends the block it held, so the peak does not grow by it step after step."""
-    from shardwise_app.cli.plan_measure import live_peak
+    from shardwise_plan.measure import live_peak
 
     mib = 2**20
     events = [
@@ -545,43 +461,3 @@ def test_measured_cpu_peak_takes_off_a_block_freed_where_the_profiler_could_not_
     assert live_peak(events[:4] + events[5:7], start=10, end=20) == ((50 + 7 + 4) * mib, 0)
     # Recorded frees alone: nothing is taken off twice.
     assert live_peak([(0, 1, 5), (1, 1, -5), (2, 1, 6)], 0, 9) == (6, 0)
-
-
-@pytest.mark.skipif(
-    __import__("torch").cuda.is_available(), reason="measured compute for a CPU target: no GPU"
-)
-def test_measured_cpu_plan_gives_each_rank_its_share_of_this_machines_cores(
-    tmp_path: Path,
-) -> None:
-    """Measured compute times a CPU target on this CPU, so the ranks are this machine's
-    whether or not --measure runs them: each gets cores / ranks threads, and more ranks
-    than cores each compute that much slower."""
-    from shardwise_app.cli.main import usable_cpus
-
-    world = 2 * usable_cpus()
-    out = shardwise(
-        "plan", *TINY, "--world-size", str(world), "--hardware", "cpu",
-        "--compute", "measured", "--json", "p.json", cwd=tmp_path,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    compute = json.loads((tmp_path / "p.json").read_text())["compute"]
-    assert compute["threads"] == 1
-    assert compute["slowdown"] == 2.0
-    assert compute["local_step_ms"] > 0
-
-
-def test_the_cpu_suite_predicts_with_the_median_of_its_calibrations() -> None:
-    from shardwise_app.cli.plan_suite import median_rates
-
-    runs = [
-        {"intra_bw": 1.44e9, "latency": 2.7e-3, "ranks_per_node": 64, "comm_overlaps": False,
-         "source": "calibrate('cpu')"},
-        {"intra_bw": 0.35e9, "latency": 3.0e-3, "ranks_per_node": 64, "comm_overlaps": False,
-         "source": "again"},
-        {"intra_bw": 1.30e9, "latency": 2.8e-3, "ranks_per_node": 64, "comm_overlaps": False,
-         "source": "and again"},
-    ]  # fmt: skip
-    r = median_rates(runs)
-    assert r["intra_bw"] == 1.30e9 and r["latency"] == 2.8e-3  # the outlier gone
-    assert r["ranks_per_node"] == 64 and r["comm_overlaps"] is False
-    assert r["source"] == "calibrate('cpu') (each rate the median of 3)"

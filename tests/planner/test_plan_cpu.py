@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_gloo_pays_a_latency_per_tensor_nccl_one_per_gather() -> None:
-    from shardwise_plan import H200, CPU
+    from shardwise_plan import CPU, H200
     from shardwise_plan.timeline import comm_seconds
     from shardwise_plan.tracker import Event
 
@@ -42,8 +42,8 @@ def test_gloo_pays_a_latency_per_tensor_nccl_one_per_gather() -> None:
 def _plans() -> dict[str, Any]:
     import torch
 
-    from shardwise_plan import CPU, Policy, plan
     from shardwise_app.models.gpt import GPT, GPTConfig
+    from shardwise_plan import CPU, Policy, plan
 
     torch.set_num_threads(1)
     cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
@@ -116,7 +116,7 @@ def test_one_gpu_copies_run_beside_compute_a_cpu_copies_on_its_core() -> None:
     """Offload at one rank: on a GPU the uploads and downloads have streams of their own
     (offload.py), so a step is its compute or its copies, whichever is longer, and the
     optimizer waits for both; on a CPU the rank's core does everything in turn."""
-    from shardwise_plan import H200, CPU
+    from shardwise_plan import CPU, H200
     from shardwise_plan.timeline import replay
     from shardwise_plan.tracker import Event
 
@@ -152,9 +152,9 @@ def _gloo_reduce_scatter_memory(rank: int, world: int) -> dict[str, int]:
     import torch.distributed as dist
 
     from shardwise import collectives
-    from shardwise_app.cli.plan_measure import _free_handles_here
+    from shardwise_plan.measure import free_handles_here
 
-    _free_handles_here()  # else gloo's thread may free the clone where no profiler sees
+    free_handles_here()  # else gloo's thread may free the clone where no profiler sees
     numel = 1 << 16
     inp = torch.ones(world * numel)
     out = torch.empty(numel)
@@ -253,9 +253,9 @@ def _gloo_clone_frees(rank: int, world: int, rounds: int) -> tuple[int, int, int
     import torch.distributed as dist
 
     from shardwise import collectives
-    from shardwise_app.cli.plan_measure import _free_handles_here
+    from shardwise_plan.measure import free_handles_here
 
-    _free_handles_here()
+    free_handles_here()
     numel = 1 << 16
     inp = torch.ones(world * numel)
     out = torch.empty(numel)
@@ -276,19 +276,31 @@ def test_a_measured_launch_sees_every_free_of_gloos_clones() -> None:
     """gloo's worker thread lets go of a work just after the wait returns; where it let
     go last, the clone was freed there, unrecorded, and the measured CPU peak grew by
     it. The profiled launch keeps each handle past the wait and drops it on its own
-    thread (plan_measure._free_handles_here): every clone's free is in the record."""
+    thread (shardwise_plan.measure.free_handles_here): every clone's free is in the record."""
     from dist_utils import run_distributed
 
     for allocs, frees, left in run_distributed(_gloo_clone_frees, 2, 40, timeout=120):
         assert allocs == 40 and frees == 40 and left == 0, (allocs, frees, left)
 
 
-def test_the_held_handle_lives_past_the_wait_and_goes_on_this_thread() -> None:
+def test_the_held_handle_lives_past_the_wait_and_goes_on_this_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import threading
     import weakref
 
-    from shardwise import collectives
-    from shardwise_app.cli import plan_measure
+    from shardwise import observe
+    from shardwise_plan import measure
+
+    added: dict[str, Any] = {}
+    real = {k: getattr(observe, f"add_{k}_observer") for k in ("collective", "wait")}
+    for kind in real:  # see what free_handles_here registers
+
+        def spy(fn: Any, kind: str = kind) -> Any:
+            added[kind] = fn
+            return real[kind](fn)
+
+        monkeypatch.setattr(observe, f"add_{kind}_observer", spy)
 
     class Work:
         def wait(self) -> None:
@@ -298,26 +310,25 @@ def test_the_held_handle_lives_past_the_wait_and_goes_on_this_thread() -> None:
     gone = weakref.ref(work)
     freed_on: list[str] = []
     weakref.finalize(work, lambda: freed_on.append(threading.current_thread().name))
-    remove = plan_measure._free_handles_here()
+    remove = measure.free_handles_here()
     try:
-        pending = collectives.Pending(work, kind="reduce_scatter")
-        observe = collectives._observers[-1]  # the one just installed
-        observe(collectives.CollectiveRecord("reduce_scatter", None, 1, 4, 2, ""), pending)  # type: ignore[arg-type]
+        pending = observe.Pending(work, kind="reduce_scatter")
+        record = observe.CollectiveRecord("reduce_scatter", None, 1, 4, 2, "")  # type: ignore[arg-type]
+        added["collective"](record, pending)  # as the runtime calls it at the issue
         del work
         assert gone() is not None  # the Pending holds it until the wait
         t0 = time.perf_counter()
-        pending.wait()
-        assert time.perf_counter() - t0 >= plan_measure.HANDLE_HOLD_S
+        pending.wait()  # the wait observers run, the registered one among them
+        assert time.perf_counter() - t0 >= measure.HANDLE_HOLD_S
         assert gone() is None and freed_on == [threading.current_thread().name]
     finally:
         remove()
-    assert observe not in collectives._observers
 
 
 def test_a_cpu_targets_reduce_scatter_carries_its_input_as_staging() -> None:
-    from shardwise_plan import H200, CPU, Policy
-    from shardwise_plan.simulate import simulate
     from shardwise_app.models.gpt import GPT, GPTConfig
+    from shardwise_plan import CPU, H200, Policy
+    from shardwise_plan.simulate import simulate
 
     cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64)
     for hw in (CPU, H200):
@@ -367,8 +378,8 @@ def test_gloo_ranks_in_step_free_a_gathers_buffer_as_it_runs_and_a_clone_at_its_
 
 
 def test_a_cpu_targets_peak_is_the_middle_of_its_ranks_in_step_and_drifting() -> None:
-    from shardwise_plan import H200, CPU, Policy, plan
     from shardwise_app.models.gpt import GPT, GPTConfig
+    from shardwise_plan import CPU, H200, Policy, plan
 
     cfg = GPTConfig(seq_len=32, n_layer=3, n_head=2, d_model=64)
     policy = Policy(ac="non-reentrant")  # a gather prefetched before a recomputation

@@ -37,6 +37,10 @@ COMMANDS = {
         "shardwise_app.cli.plan",
         "predict per-rank memory and step time at any world size (--measure: and check it)",
     ),
+    "calibrate": (
+        "shardwise_app.cli.plan_rates",
+        "measure this machine's rates for shardwise plan --rates FILE",
+    ),
 }
 
 # What cli/plan*.py take from here; the rest of the application imports them
@@ -109,7 +113,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _usage() -> str:
     lines = [f"usage: shardwise {{{','.join(COMMANDS)}}} ...", "", "commands:"]
-    lines += [f"  {name:<8}{help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<11}{help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'shardwise COMMAND --help' for a command's flags."]
     return "\n".join(lines)
 

@@ -2,10 +2,11 @@
 
 Why a command of its own: the question comes before any machine is had
 ("will it fit on 512 GPUs with this policy, and how fast?"), so it runs in
-one process with no GPU, through ``shardwise.plan`` (the real runtime on a
-fake process group and fake tensors). ``--measure`` then runs the same
+one process with no GPU, through ``shardwise_plan.plan`` (the real runtime on
+a fake process group and fake tensors). ``--measure`` then runs the same
 configuration for real on this machine and prints both side by side
-(plan_measure.py).
+(plan_measure.py). Every flag is checked, and the output paths tried, before
+any of that work starts.
 """
 
 from __future__ import annotations
@@ -17,149 +18,96 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .main import UsageError, usable_cpus
+from .common import UsageError
+from .plan_args import DefaultsFormatter, OneLineParser, check_output, parse_raf
 
 HF_PREFIX = "hf:"
-SUITE_NAMES = ("h200", "h200-offload", "h200-no-offload", "cpu", "scaling")  # plan_suite.SUITES
-
-
-def parse_raf(text: str) -> bool | int:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected true, false or an int, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"an int must be at least 1, got {n}")
-    return n
+HARDWARE_NAMES = ("h100", "h200", "b200", "cpu")  # shardwise_plan.HARDWARE
+OPTIMIZER_NAMES = ("adamw", "adamw-foreach", "adamw-fused", "sgd")  # shardwise_plan.OPTIMIZERS
+BUDGET_POLICIES = 16  # shardwise_plan.candidate_policies: 2 x 2 x 2 x 2
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="shardwise plan",
-        description="Predict per-rank peak memory and step time of fully sharded training.",
+        description="Predict one rank's peak memory and step time of fully sharded "
+        "training, at any world size, without GPUs.",
+        formatter_class=DefaultsFormatter,
+        epilog="Memory is counted tensor by tensor from the real runtime; step time comes "
+        "from the hardware's rates (on a CPU target it is indicative only). docs/cli.md "
+        "says more.",
     )
-    p.add_argument(
+    what = p.add_argument_group("what is trained")
+    what.add_argument(
         "--model",
         default="tiny",
         help="a built-in GPT size (tiny, small, base, medium, large), hf:PATH to a "
         "transformers config folder, or module:function returning the model",
     )
-    p.add_argument("--world-size", type=int, default=8, help="ranks (GPUs) in all")
-    p.add_argument(
-        "--hsdp",
-        type=int,
-        default=1,
-        metavar="R",
+    what.add_argument("--world-size", type=int, default=8, metavar="N", help="ranks (GPUs) in all")
+    what.add_argument(
+        "--hsdp", type=int, default=1, metavar="R",
         help="replicate degree: an R x world/R (replicate, shard) mesh",
+    )  # fmt: skip
+    what.add_argument(
+        "--batch-size", type=int, default=4, metavar="B", help="sequences per rank per step"
     )
-    p.add_argument("--mp", choices=("none", "bf16"), default="none", help="mixed precision")
-    p.add_argument(
-        "--ac",
-        choices=("none", "non-reentrant", "reentrant"),
-        default="none",
-        help="activation checkpointing of every block",
-    )
-    p.add_argument(
-        "--reshard-after-forward", type=parse_raf, default=True, metavar="true|false|INT"
-    )
-    p.add_argument("--offload", action="store_true", help="CPU offload of shards, grads, state")
-    p.add_argument("--prefetch", type=int, default=1, help="modules gathered ahead")
-    p.add_argument(
-        "--batch-size", type=int, default=None, help="sequences per rank per step (default 4)"
-    )
-    p.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)"
-    )
-    p.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        metavar="GIB",
-        help="per-rank memory: print the fastest predicted policy that fits",
-    )
-    p.add_argument(
-        "--hardware",
-        choices=("h200", "cpu"),
-        default=None,
-        help="the rates predicted for (default h200; cpu with --measure on a CPU)",
-    )
-    p.add_argument(
-        "--intra-bw",
-        type=float,
-        default=None,
-        metavar="GB/S",
-        help="bus bandwidth inside a node (h200: 360)",
-    )
-    p.add_argument(
-        "--inter-bw",
-        type=float,
-        default=None,
-        metavar="GB/S",
-        help="bus bandwidth across nodes (h200: 40, 400 Gb/s InfiniBand)",
-    )
-    p.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (h200: 8)")
-    p.add_argument("--matmul-tflops", type=float, default=None, help="achieved matmul TFLOP/s")
-    p.add_argument(
-        "--compute",
-        choices=("rates", "measured"),
-        default=None,
-        help="time each operator from its FLOPs and bytes at the rates (default), or run "
-        "each distinct operator on this machine's device (the target must be this device; "
-        "a CPU target also runs one rank's step here under the fake process group; the "
-        "default for --suite cpu)",
-    )
-    p.add_argument(
-        "--rates",
-        default=None,
-        metavar="FILE",
-        help="predict with the rates in FILE (written by --calibrate) instead of --hardware",
-    )
-    p.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="measure this machine's rates (--nproc ranks at once) and print them; "
-        "--json FILE writes them for --rates",
-    )
-    p.add_argument("--json", default=None, metavar="FILE", help="write the prediction as JSON")
-    p.add_argument(
-        "--plot", default=None, metavar="FILE", help="plot predicted memory over the step"
-    )
-    p.add_argument(
-        "--measure",
-        action="store_true",
-        help="also run it for real here and print predicted vs measured",
-    )
-    p.add_argument(
-        "--nproc", type=int, default=None, help="--measure: processes (default: the world size)"
-    )
-    p.add_argument(
-        "--launches",
+    what.add_argument(
+        "--seq-len",
         type=int,
         default=None,
-        help="--measure: the step time is the median of N launches, each in processes "
-        "of its own (default 3 on a CPU, 1 on a GPU); --suite with --compute measured: "
-        "N predict-then-measure pairs a row (default 5 on the cpu suite, 3 otherwise)",
+        metavar="T",
+        help="tokens per sequence (default: the model's)",
     )
-    p.add_argument(
-        "--suite",
-        choices=SUITE_NAMES,
-        default=None,
-        help="predict and measure a fixed set of configurations, each in processes of "
-        "its own; --json FILE (and FILE with .md) gets the table",
+    what.add_argument(
+        "--optimizer", choices=OPTIMIZER_NAMES, default="adamw",
+        help="the optimizer stepped (adamw is torch's own pick: foreach on a GPU, the "
+        "for-loop on the host)",
+    )  # fmt: skip
+    how = p.add_argument_group("the policy")
+    how.add_argument("--mp", choices=("none", "bf16"), default="none", help="mixed precision")
+    how.add_argument(
+        "--ac", choices=("none", "non-reentrant", "reentrant"), default="none",
+        help="activation checkpointing of every block",
+    )  # fmt: skip
+    how.add_argument(
+        "--reshard-after-forward", type=parse_raf, default=True, metavar="true|false|INT",
+        help="free each block's gathered parameters after its forward (INT: keep them "
+        "sharded over that many ranks)",
+    )  # fmt: skip
+    how.add_argument(
+        "--offload", action="store_true", help="CPU offload of shards, gradients, optimizer state"
     )
-    p.add_argument(
-        "--rows",
-        default=None,
-        help="--suite: only these of its configurations, by index from 0 (e.g. 0,2)",
+    how.add_argument(
+        "--budget", type=float, default=None, metavar="GIB",
+        help=f"instead, plan every policy a user would pick ({BUDGET_POLICIES}: checkpointing, "
+        "resharding, offload, prefetch depth, over the flags above) and print the fastest "
+        f"whose peak fits GIB per rank; it takes up to {BUDGET_POLICIES} plans' time",
+    )  # fmt: skip
+    where = p.add_argument_group("the machine")
+    where.add_argument(
+        "--hardware", choices=HARDWARE_NAMES, default=None,
+        help="a datasheet's rates (default h200; cpu with --measure on a machine "
+        "without a GPU: gloo ranks, step time indicative)",
+    )  # fmt: skip
+    where.add_argument(
+        "--rates", default=None, metavar="FILE",
+        help="instead of --hardware, the rates `shardwise calibrate --out FILE` measured",
+    )  # fmt: skip
+    out = p.add_argument_group("output")
+    out.add_argument("--json", default=None, metavar="FILE", help="write the prediction as JSON")
+    out.add_argument(
+        "--plot", default=None, metavar="FILE", help="plot predicted memory over the step (PNG...)"
     )
-    p.add_argument("--measure-out", default=None, help=argparse.SUPPRESS)  # a measuring worker
-    p.add_argument(  # what a measuring launch measures: peak, time or both
-        "--measure-time", default=None, choices=("peak", "time", "both"), help=argparse.SUPPRESS
-    )
-    p.add_argument("--calibrate-out", default=None, help=argparse.SUPPRESS)  # a calibrating one
+    out.add_argument(
+        "--measure", action="store_true",
+        help="also run it here (world-size ranks) and print predicted against measured",
+    )  # fmt: skip
+    out.add_argument(
+        "--launches", type=int, default=None, metavar="N",
+        help="--measure: the step time is the median of N launches (default 3 on a CPU, "
+        "1 on a GPU)",
+    )  # fmt: skip
     return p
 
 
@@ -234,6 +182,7 @@ def print_plan(p: Any, title: str) -> None:
         t.add_row("peak if the ranks keep in step", gib(p.peak_bytes_in_step))
         t.add_row("peak if the ranks drift apart", gib(p.peak_bytes_drifting))
     t.add_row("reached in", f"{p.peak_phase} {p.peak_module}".strip())
+    t.add_row("optimizer", p.optimizer)
     for kind, n in p.host_bytes.items():
         t.add_row(f"host: {kind}", gib(n))
     if p.host_peak_bytes:
@@ -296,34 +245,31 @@ def plot(p: Any, path: str) -> None:
     plt.close(fig)
 
 
+def build_model(name: str, seq_len: int | None) -> Any:
+    """The model ``--model name`` names, built: what each rank of ``--measure`` calls
+    (shardwise_plan.measure.Run's ``build``)."""
+    return resolve_model(name, seq_len)[0]()
+
+
 # ---- the command ----------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
-    if args.compute is None:
-        args.compute = "measured" if args.suite == "cpu" else "rates"
-    if args.launches is not None and args.launches < 1:
-        raise UsageError(f"--launches must be at least 1, got {args.launches}")
-    if args.suite == "scaling" and args.launches is not None:
-        raise UsageError("--launches counts measured runs: the scaling suite measures none")
-    if args.suite:
-        from .plan_suite import run_suite, suite_rows
+def check_plot_format(path: str) -> None:
+    import matplotlib
 
-        extra = ["--rates", args.rates] if args.rates else []
-        rows = suite_rows(args.suite, args.rows) if args.rows is not None else None
-        extra += ["--compute", args.compute]
-        return run_suite(args.suite, args.json, extra, rows, args.launches)
-    if args.rows is not None:
-        raise UsageError("--rows picks configurations of a --suite: give --suite NAME too")
-    if args.launches is not None and not args.measure:
-        raise UsageError("--launches counts --measure's runs: add --measure (or leave it out)")
-    if args.calibrate or args.calibrate_out:
-        from .plan_rates import calibrate_worker, is_calibrating_worker, run_calibration
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
 
-        return calibrate_worker(args) if is_calibrating_worker(args) else run_calibration(args)
-    from shardwise_plan import GIB, HARDWARE, NothingFits, Policy, fastest_within, plan
+    known = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in known:
+        raise UsageError(
+            f"--plot {path}: matplotlib writes {', '.join(sorted(known))}; end the name with one"
+        )
 
+
+def check_args(args: Any) -> None:
+    """Every bad flag, before any work: one line and exit code 2 (``UsageError``)."""
     if args.world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
     if args.hsdp < 1 or args.world_size % args.hsdp:
@@ -337,57 +283,70 @@ def main(argv: list[str]) -> int:
         raise UsageError(
             f"--reshard-after-forward {raf} must divide the shard group's size {shard}"
         )
-    if args.batch_size is not None and args.batch_size < 1:
+    if args.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UsageError(f"--seq-len must be at least 1, got {args.seq_len}")
     if args.budget is not None and args.budget <= 0:
         raise UsageError(f"--budget must be a positive number of GiB, got {args.budget}")
-    if args.prefetch < 0:
-        raise UsageError(f"--prefetch must be at least 0, got {args.prefetch}")
-    build, seq = resolve_model(args.model, args.seq_len)
-    batch = args.batch_size or 4
-    from .plan_measure import is_measuring_worker, run_worker
-
-    if is_measuring_worker(args):
-        return run_worker(args, build)
-    policy = Policy(args.mp, args.ac, raf, args.offload, args.prefetch)
     if args.rates and args.hardware:
         raise UsageError("--rates and --hardware both say which rates to use: give one")
+    if args.launches is not None:
+        if not args.measure:
+            raise UsageError("--launches counts --measure's runs: add --measure (or leave it out)")
+        if args.launches < 1:
+            raise UsageError(f"--launches must be at least 1, got {args.launches}")
+    if args.measure:
+        check_ranks_here(args.world_size)
+    if args.json:
+        check_output(args.json, "--json")
+    if args.plot:
+        check_output(args.plot, "--plot")
+        check_plot_format(args.plot)
+
+
+def check_ranks_here(ranks: int) -> None:
+    """--measure runs every rank here: a GPU each, or gloo ranks sharing the cores."""
+    import torch
+
+    from .common import CPU_OVERSUBSCRIPTION, usable_cpus
+
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if ranks > gpus:
+            raise UsageError(
+                f"--measure runs --world-size {ranks} ranks here, one a GPU, and there are "
+                f"{gpus}: lower --world-size, or plan without --measure"
+            )
+    elif ranks > CPU_OVERSUBSCRIPTION * usable_cpus():
+        raise UsageError(
+            f"--measure runs --world-size {ranks} gloo ranks here, more than "
+            f"{CPU_OVERSUBSCRIPTION} a core ({usable_cpus()} cores): lower --world-size"
+        )
+
+
+def hardware(args: Any) -> Any:
+    from shardwise_plan import HARDWARE
+
     if args.rates:
         from .plan_rates import load_rates
 
-        base = load_rates(args.rates)
-    else:
-        base = HARDWARE[args.hardware or ("cpu" if args.measure and not _cuda() else "h200")]
-    hw = base.with_overrides(
-        intra_bw=args.intra_bw and args.intra_bw * 1e9,
-        inter_bw=args.inter_bw and args.inter_bw * 1e9,
-        ranks_per_node=args.ranks_per_node,
-        matmul_flops=args.matmul_tflops and args.matmul_tflops * 1e12,
-    )
-    slowdown = 1.0
-    # The ranks run on this machine's cores: measured here, or timed here (measured
-    # compute times a CPU target on this CPU), with or without --measure.
-    here = hw.device == "cpu" and (args.measure or args.compute == "measured")
-    if here:
-        hw, slowdown = _shared_cores(hw, args.world_size)
-    if args.compute == "measured":
-        import torch
+        return load_rates(args.rates)
+    return HARDWARE[args.hardware or ("cpu" if args.measure and not _cuda() else "h200")]
 
-        from shardwise_plan.plan import check_measurable
 
-        try:
-            check_measurable(hw)
-        except ValueError as e:
-            raise UsageError(f"--compute measured: {e}") from None
-        if here:  # the threads each rank gets
-            torch.set_num_threads(max(1, usable_cpus() // args.world_size))
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    check_args(args)
+    hw = hardware(args)
+    build, seq = resolve_model(args.model, args.seq_len)
+    from shardwise_plan import GIB, NothingFits, Policy, fastest_within, plan
+
+    raf = args.reshard_after_forward
+    policy = Policy(args.mp, args.ac, raf, args.offload)
+    batch = args.batch_size
     kw: dict[str, Any] = dict(
-        batch_size=batch,
-        seq_len=seq,
-        hsdp=args.hsdp,
-        hardware=hw,
-        compute=args.compute,
-        slowdown=slowdown,
+        batch_size=batch, seq_len=seq, hsdp=args.hsdp, hardware=hw, optimizer=args.optimizer
     )
     try:
         if args.budget is not None:
@@ -398,10 +357,11 @@ def main(argv: list[str]) -> int:
             best, tried = plan(build, args.world_size, policy=policy, **kw), []
     except NothingFits as e:
         raise UsageError(str(e)) from None
+    shard = args.world_size // args.hsdp
     title = f"shardwise plan: {args.model}, {args.world_size} ranks" + (
         f" (HSDP {args.hsdp} x {shard})" if args.hsdp > 1 else ""
     )
-    print_plan(best, f"{title}, {best.policy.label()}, on {hw.name}")
+    print_plan(best, f"{title}, {best.policy.label()}, {best.optimizer}, on {hw.name}")
     if tried:
         _print_tried(tried, int(args.budget * GIB))
     out: dict[str, Any] = {"model": args.model, **best.as_dict()}
@@ -418,35 +378,12 @@ def main(argv: list[str]) -> int:
     if args.measure:
         from .plan_measure import measure_and_compare
 
-        out["measured"] = measure_and_compare(args, best, seq, batch)
+        out["measured"] = measure_and_compare(args, best, seq)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.plot:
         plot(best, args.plot)
     return 0
-
-
-def _shared_cores(hw: Any, ranks: int) -> tuple[Any, float]:
-    """The CPU's rates were calibrated with one rank per core (two on two): more
-    ranks than cores share them, and each rank computes that much slower. Returns
-    the rates scaled so, and the slowdown (for operators measured here)."""
-    from dataclasses import replace
-
-    share = min(1.0, usable_cpus() / ranks)
-    if share == 1.0:
-        return hw, 1.0
-    return replace(
-        hw,
-        matmul_flops=hw.matmul_flops * share,
-        matmul_flops_fp32=hw.matmul_flops_fp32 * share,
-        mem_bw=hw.mem_bw * share,
-        host_mem_bw=hw.host_mem_bw * share,
-        host_adamw_bw=hw.host_adamw_bw * share,
-        op_overhead=hw.op_overhead / share,
-        view_overhead=hw.view_overhead / share,
-        dtensor_overhead=hw.dtensor_overhead / share,
-        source=hw.source + f"; {ranks} ranks on {usable_cpus()} cores: rates x {share:.2f}",
-    ), 1.0 / share
 
 
 def _cuda() -> bool:

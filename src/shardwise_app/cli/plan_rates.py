@@ -1,77 +1,78 @@
-"""``shardwise plan --calibrate`` and ``--rates FILE``: this machine's rates, measured once and stated.
+"""``shardwise calibrate`` and ``shardwise plan --rates FILE``: a machine's rates, measured once and stated.
 
 Why a file: a predicted step is only as good as the rates behind it, and the
-built-in ones (``shardwise_plan.policy``) are one H200 and one 2-core CPU.
-``--calibrate`` measures the machine it runs on (``planner.calibrate``) and
-writes every rate as JSON; ``--rates FILE`` predicts with them, and the
-plan's JSON says which rates it used.
+built-in ones (``shardwise_plan.hardware``) are datasheets. ``shardwise
+calibrate`` measures the machine it runs on (``shardwise_plan.calibrate``)
+and writes every rate as JSON; ``plan --rates FILE`` predicts with them, and
+the plan's JSON says which rates it used.
 
 Why every rank at once: ranks that share a machine share its memory
 bandwidth and, on a CPU, its cores, so a rate measured by one process alone
 is one no training rank sees. ``--nproc`` ranks (default: one per GPU, or
-one per core on a CPU) calibrate together under one process group, started
-by our launcher like any run; rank 0 writes what it measured.
+one per core on a CPU) calibrate together under one process group; rank 0
+writes what it measured. On a CPU only compute is measured: a CPU target's
+step time is indicative, its gloo latency and bus are the CPU preset's.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from .main import Launch, UsageError, check_nproc, in_worker, init_worker, launch, usable_cpus
+from .common import UsageError, check_nproc, usable_cpus
+from .plan_args import DefaultsFormatter, OneLineParser, check_output
 
 
-def run_calibration(args: Any) -> int:
-    """Launch the calibrating ranks; print the rates and write them to ``--json``."""
-    import tempfile
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="shardwise calibrate",
+        description="Measure this machine's rates for `shardwise plan --rates FILE`: matrix "
+        "products, memory bandwidth, an operator's fixed cost, the host's AdamW and copies, "
+        "and with several GPUs their all-gather.",
+        formatter_class=DefaultsFormatter,
+    )
+    p.add_argument(
+        "--out", default=None, metavar="FILE", help="write the rates here (JSON); else print"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=None,
+        help="ranks measuring at once (default: one per GPU, else one per core)",
+    )  # fmt: skip
+    return p
 
+
+def main(argv: list[str]) -> int:
+    """Measure with ``--nproc`` ranks at once; print the rates and write them to ``--out``."""
     import torch
 
+    from shardwise_plan.ranks import run_ranks
+
+    args = parser().parse_args(argv)
+    if args.out:
+        check_output(args.out, "--out")
     nproc = args.nproc or (
         torch.cuda.device_count() if torch.cuda.is_available() else usable_cpus()
     )
     check_nproc(nproc)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rates.json"
-        code = launch(
-            "plan", {"calibrate_out": str(out)}, Launch(nproc), lambda _id, sig: 128 + sig
-        )
+        code = run_ranks(["calibrate", str(out)], nproc)
         if code or not out.is_file():
-            raise SystemExit(code or 1)
+            raise SystemExit(f"shardwise calibrate: a rank failed (exit code {code or 1})")
         rates = json.loads(out.read_text())
     text = json.dumps(rates, indent=2) + "\n"
     print(text, end="")
-    if args.json:
-        Path(args.json).write_text(text)
-    return 0
-
-
-def is_calibrating_worker(args: Any) -> bool:
-    return in_worker() and bool(getattr(args, "calibrate_out", None))
-
-
-def calibrate_worker(args: Any) -> int:
-    import torch.distributed as dist
-
-    from shardwise_plan.calibrate import calibrate
-
-    w = init_worker()
-    dist.barrier()  # every rank measures at the same time
-    hw = calibrate(str(w.device))
-    dist.barrier()
-    if w.is_main:
-        source = f"{hw.source}, {dist.get_world_size()} ranks at once"
-        Path(args.calibrate_out).write_text(
-            json.dumps(dataclasses.asdict(dataclasses.replace(hw, source=source)))
-        )
-    dist.destroy_process_group()
+    if args.out:
+        Path(args.out).write_text(text)
     return 0
 
 
 def load_rates(path: str) -> Any:
-    """A ``Hardware`` from a ``--calibrate`` file; one clear error for a wrong one."""
+    """A ``Hardware`` from a ``shardwise calibrate`` file; one clear error for a wrong one."""
     from shardwise_plan import Hardware
 
     fields = {f.name: f for f in dataclasses.fields(Hardware)}
@@ -101,7 +102,7 @@ def load_rates(path: str) -> Any:
             if part
         )
         raise UsageError(
-            f"--rates {path}: {what}. Write the file with `shardwise plan --calibrate --json FILE`"
+            f"--rates {path}: {what}. Write the file with `shardwise calibrate --out FILE`"
         )
     for name, value in data.items():
         if name in TEXT:

@@ -1,35 +1,48 @@
-"""``shardwise plan --suite NAME --json FILE`` (h200, h200-offload, h200-no-offload, cpu, scaling): predicted vs measured over a set of configurations.
+"""The planner predicted and measured over a fixed set of configurations: docs/scaling.md's tables.
 
-Why one command: the planner's error table in docs/scaling.md must be
-reproducible by one invocation. Each configuration runs as ``shardwise
-plan ... --measure`` processes of its own (their workers are processes of
-their own too), so every measured peak starts clean. A configuration that
-fails (out of memory, say) is reported as such and the rest go on. Where
-the compute is timed on this machine (``--compute measured``), each row is
-predicted and measured in pairs, one after the other (``PAIRS``), and the
-medians compared. ``--rows`` runs some of a suite's configurations (a
-command's time limit).
+    python benchmarks/plan_suite.py --suite h200|h200-offload|h200-no-offload|cpu|scaling
+        [--rows 0,2] [--json FILE] [--rates FILE] [--compute rates|measured] [--launches N]
+
+Each row is a ``shardwise plan`` invocation (its flags, in ``SUITES``), read by
+the command's own parser and checked as it checks them. The row is predicted
+here (``shardwise_plan.plan``) and, except in the scaling suite, measured
+(``shardwise_plan.measure``: the same model, policy and optimizer on real
+ranks, in processes of their own, so every measured peak starts clean). A
+configuration that fails (out of memory, say) is reported as such and the
+rest go on. ``--json FILE`` is written after every row (a run cut short keeps
+the rows it has), with its markdown table beside it (``FILE`` with ``.md``).
+
+The h200 suites run on one GPU and predict with the ``h200`` preset unless
+``--rates`` names a calibrated file; the cpu suite runs gloo ranks here and
+checks memory (a CPU target's step time is indicative). With ``--compute
+measured`` (GPU suites) the operators and an offloaded optimizer's host step
+are timed on this machine, one draw of its speed as a launch is one: each
+row is then predicted and measured in pairs (``PAIRS``), one after the other,
+and the median prediction compared with the median launch.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from shardwise_app.cli import plan as plan_cli
+from shardwise_app.cli.common import UsageError
+from shardwise_app.cli.plan_args import OneLineParser
+
 GPT_094B = "shardwise_app.models.shapes:gpt_094b"
 GPT_645B = "shardwise_app.models.shapes:gpt_645b"
+LLAMA_70B = "shardwise_app.models.shapes:llama2_70b"
 
-# One H200: 0.94B GPT (d 2048 x 16) batch 4 x 2048 and 6.45B GPT (d 4096 x 32)
-# batch 2 x 2048, bf16 parameters and fp32 reduction, AdamW.
+# One GPU: the 0.94B GPT (d 2048 x 16) at batch 4 x 2048 and the 6.45B GPT (d 4096
+# x 32) at batch 2 x 2048, bf16 parameters and fp32 reduction, AdamW.
 H200_SUITE = [
-    [*m, "--mp", "bf16", "--ac", ac, *off]
+    ["--world-size", "1", *m, "--mp", "bf16", "--ac", ac, *off]
     for m, acs in (
         (
             ["--model", GPT_094B, "--batch-size", "4", "--seq-len", "2048"],
@@ -40,18 +53,19 @@ H200_SUITE = [
     for ac in acs
     for off in ([], ["--offload"])
 ]
-H200_SUITE = [["--world-size", "1", *c] for c in H200_SUITE]
+H200_OFFLOAD_SUITE = [c for c in H200_SUITE if "--offload" in c]
+H200_DEVICE_SUITE = [c for c in H200_SUITE if "--offload" not in c]
 
-# This CPU, gloo ranks: the built-in GPTs at sizes a 2-core machine trains in seconds.
+# gloo ranks here: the built-in GPTs at sizes a small machine trains in seconds.
 CPU_SUITE = [
-    ["--model", m, "--world-size", str(w), "--batch-size", b, "--seq-len", t, "--ac", ac, *extra]
+    ["--model", m, "--world-size", str(w), "--batch-size", b, "--seq-len", t, "--ac", ac,
+     "--hardware", "cpu", *extra]
     for m, b, t in (("tiny", "8", "128"), ("small", "4", "128"))
     for w in (2, 4)
     for ac, extra in (("none", []), ("non-reentrant", []), ("none", ["--mp", "bf16"]))
-]
+]  # fmt: skip
 
-# docs/scaling.md's predictions (no measurement): 8 GPUs a node, HSDP over nodes.
-LLAMA_70B = "shardwise_app.models.shapes:llama2_70b"
+# Predictions only: 8 GPUs a node, HSDP over nodes.
 SCALING_SUITE = [
     ["--model", m, "--batch-size", b, "--seq-len", t, "--world-size", str(w), "--hsdp", str(h),
      "--mp", "bf16", "--ac", "non-reentrant"]
@@ -59,11 +73,6 @@ SCALING_SUITE = [
     for m, b, t in ((GPT_645B, "2", "2048"), (LLAMA_70B, "1", "4096"))
     for h in (1, max(2, w // 8))
 ]  # fmt: skip
-
-# Its offloaded rows only (host memory and the host's AdamW: what the planner's
-# offload model was fixed for after the 2026-12-02 measurement).
-H200_OFFLOAD_SUITE = [c for c in H200_SUITE if "--offload" in c]
-H200_DEVICE_SUITE = [c for c in H200_SUITE if "--offload" not in c]  # fits in 10 minutes
 
 SUITES = {
     "h200": H200_SUITE,
@@ -73,11 +82,13 @@ SUITES = {
     "scaling": SCALING_SUITE,
 }
 
+# Pairs of a prediction with compute timed here and one measured launch, a row: the
+# machine's speed moves between minutes, and both medians then sample the same ones.
+PAIRS = 3
+
 
 def suite_rows(name: str, text: str) -> list[int]:
     """``--rows 0,2``: the indexes into suite ``name``, or a UsageError saying which exist."""
-    from .main import UsageError
-
     last = len(SUITES[name]) - 1
     try:
         rows = [int(x) for x in text.split(",")]
@@ -91,69 +102,89 @@ def suite_rows(name: str, text: str) -> list[int]:
     return sorted(rows)
 
 
+def predict(argv: list[str], compute: str) -> tuple[Any, Any, int]:
+    """The row's plan (``shardwise plan ARGV``, as the command makes it), its parsed
+    flags and its sequence length."""
+    from shardwise_plan import Policy, plan
+
+    args = plan_cli.parser().parse_args(argv)
+    plan_cli.check_args(args)
+    hw = plan_cli.hardware(args)
+    build, seq = plan_cli.resolve_model(args.model, args.seq_len)
+    policy = Policy(args.mp, args.ac, args.reshard_after_forward, args.offload)
+    p = plan(
+        build,
+        args.world_size,
+        batch_size=args.batch_size,
+        seq_len=seq,
+        policy=policy,
+        hsdp=args.hsdp,
+        hardware=hw,
+        optimizer=args.optimizer,
+        compute=compute,
+    )
+    return p, args, seq
+
+
+def measure_row(args: Any, p: Any, seq: int, launches: int | None) -> dict[str, Any]:
+    """The row run here, as ``shardwise plan --measure`` runs it."""
+    from shardwise_plan.measure import Run, measure
+
+    run = Run(
+        build="shardwise_app.cli.plan:build_model",
+        build_args=(args.model, seq),
+        world_size=args.world_size,
+        batch_size=args.batch_size,
+        seq_len=seq,
+        policy=p.policy,
+        hsdp=args.hsdp,
+        optimizer=p.optimizer,
+    )
+    return measure(run, launches)
+
+
 def run_suite(
     name: str,
     out_json: str | None,
     extra: list[str] | None = None,
     only: list[int] | None = None,
     launches: int | None = None,
+    compute: str = "rates",
 ) -> int:
-    """``extra``: flags every configuration gets (``--rates FILE``, ``--compute``);
-    ``only``: the indexes of the configurations to run (default all); ``launches``:
-    how many launches each measured step time is the median of (default ``plan
-    --measure``'s; with compute timed here, the pairs: ``PAIRS``, ``CPU_PAIRS``).
-
-    The CPU suite without ``--rates`` calibrates this machine first, in the same
-    invocation (``calibrated_rates``): a CPU's rates are its own, and a default
-    measured on another machine says nothing here."""
+    """``extra``: flags every row gets (``--rates FILE``); ``only``: the indexes of the
+    rows to run (default all); ``launches``: how many launches each measured step time
+    is the median of (default ``shardwise plan --measure``'s); with ``compute``
+    "measured", the pairs a row (``PAIRS``)."""
     rows: list[dict[str, Any]] = []
-    env = dict(os.environ)
-    extra = list(extra or [])
-    rates: dict[int, str] = {}
-    used: dict[int, Any] = {}  # the rates calibrated here, per world size
     configs = [c for i, c in enumerate(SUITES[name]) if only is None or i in only]
-    with tempfile.TemporaryDirectory() as tmp:
-        if name == "cpu" and "--rates" not in extra:
-            rates = calibrated_rates(Path(tmp), sorted({_world(a) for a in configs}))
-            used = {w: json.loads(Path(f).read_text()) for w, f in rates.items()}
-        measure = [] if name == "scaling" else ["--measure"]
-        if measure and _flag(extra, "--compute") == "measured":
-            # Compute timed here is one draw of this machine's speed, and so is a launch:
-            # predict, measure one launch, and again (``PAIRS``), each in a process of its
-            # own, so that both medians sample the same minutes.
-            pairs = launches or (CPU_PAIRS if name == "cpu" else PAIRS)
-            runs = [[*measure, "--launches", "1"]] * pairs
-        else:
-            runs = [[*measure, *(["--launches", str(launches)] if measure and launches else [])]]
-        for i, argv in enumerate(configs):
-            own = ["--rates", rates[_world(argv)]] if rates else []
-            cmd = [sys.executable, "-m", "shardwise", "plan", *argv, *extra, *own]
-            t0 = time.perf_counter()
-            row: dict[str, Any] = {"argv": " ".join(argv)}
-            plans: list[dict[str, Any]] = []
-            for k, flags in enumerate(runs):
-                out = Path(tmp) / f"{i}_{k}.json"
-                proc = subprocess.run(
-                    [*cmd, *flags, "--json", str(out)], env=env, capture_output=True, text=True
-                )
-                if proc.returncode or not out.is_file():
-                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
-                    row["failed"] = tail[0][:200]
-                    break
-                plans.append(json.loads(out.read_text()))
-            row["wall_s"] = time.perf_counter() - t0
-            if "failed" not in row:
-                d = median_prediction(plans)
-                paired = len(plans) > 1  # each plan measured one launch
-                if paired:
-                    d["measured"] = merged_measurements([p["measured"] for p in plans])
-                row.update(_summary(d) if measure else _prediction(d))
-                if paired:
-                    row.update(_pairs(plans))
-            rows.append(row)
-            print(_line(row), flush=True)
-            if out_json:  # after every row: a run cut short keeps the rows it measured
-                _write(out_json, name, rows, used, only)
+    measuring = name != "scaling"
+    paired = measuring and compute == "measured"
+    pairs = (launches or PAIRS) if paired else 1
+    for argv in configs:
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"argv": " ".join(argv)}
+        plans: list[dict[str, Any]] = []
+        try:
+            for _ in range(pairs):
+                p, args, seq = predict([*argv, *(extra or [])], compute)
+                d = p.as_dict()
+                if measuring:
+                    d["measured"] = measure_row(args, p, seq, 1 if paired else launches)
+                plans.append(d)
+        except (RuntimeError, ValueError, UsageError) as e:  # out of memory, a failed rank
+            row["failed"] = (str(e).strip().splitlines() or ["?"])[0][:200]
+        row["wall_s"] = time.perf_counter() - t0
+        if "failed" not in row:
+            d = median_prediction(plans)
+            if paired:
+                d["measured"] = merged_measurements([p["measured"] for p in plans])
+            row.update(_summary(d) if measuring else _prediction(d))
+            if paired:
+                row.update(_pairs(plans))
+        rows.append(row)
+        print(_line(row), flush=True)
+        if out_json:  # after every row: a run cut short keeps the rows it measured
+            _write(out_json, name, rows, only)
     print(_table(name, rows))
     return 0
 
@@ -162,13 +193,7 @@ def _table(name: str, rows: list[dict[str, Any]]) -> str:
     return markdown(rows) if name != "scaling" else predictions_markdown(rows)
 
 
-def _write(
-    out_json: str,
-    name: str,
-    rows: list[dict[str, Any]],
-    used: dict[int, Any],
-    only: list[int] | None = None,
-) -> None:
+def _write(out_json: str, name: str, rows: list[dict[str, Any]], only: list[int] | None) -> None:
     """The JSON and its markdown table, the rows so far (``"complete"`` once each
     configuration asked for has one; ``"only"``: the indexes ``--rows`` asked for)."""
     wanted = len(only) if only is not None else len(SUITES[name])
@@ -177,75 +202,9 @@ def _write(
         "complete": len(rows) == wanted,
         **({"only": only} if only is not None else {}),
         "rows": rows,
-        **({"rates": used} if used else {}),
     }
     Path(out_json).write_text(json.dumps(doc, indent=2) + "\n")
     Path(out_json).with_suffix(".md").write_text(_table(name, rows) + "\n")
-
-
-def _flag(argv: list[str], name: str) -> str | None:
-    """The value given to ``name`` in ``argv`` (None: not given)."""
-    return argv[argv.index(name) + 1] if name in argv else None
-
-
-def _world(argv: list[str]) -> int:
-    world = _flag(argv, "--world-size")
-    assert world is not None, argv  # every suite row names its world size
-    return int(world)
-
-
-# Calibrations per rank count, each in processes of its own; the suite predicts with
-# their median. One was one draw of a shared machine: the 4-rank gather's bus on the
-# 2-core machine came out 1.44 GB/s in one invocation and 0.35 in the next (2026-12-03).
-CALIBRATIONS = 3
-
-
-def calibrated_rates(tmp: Path, worlds: list[int]) -> dict[int, str]:
-    """A rates file per world size, measured here now: compute with one rank per core
-    (as many ranks as cores, or the fewest the suite runs), each world's collectives
-    with that many ranks at once (more ranks than cores share them, which is what
-    their latency is then); each rate the median of ``CALIBRATIONS``. Returns the
-    file for each world size."""
-    from .main import usable_cpus
-
-    def calibrate(nproc: int) -> dict[str, Any]:
-        runs = []
-        for i in range(CALIBRATIONS):
-            out = tmp / f"rates_{nproc}_{i}.json"
-            cmd = [sys.executable, "-m", "shardwise", "plan", "--calibrate", "--nproc", str(nproc)]
-            subprocess.run([*cmd, "--json", str(out)], check=True, capture_output=True)
-            runs.append(json.loads(out.read_text()))
-        return median_rates(runs)
-
-    cores = min(usable_cpus(), worlds[0])
-    base = calibrate(max(2, cores))
-    files = {}
-    for w in worlds:
-        r = dict(base)
-        if w != max(2, cores):
-            own = calibrate(w)
-            r.update(latency=own["latency"], intra_bw=own["intra_bw"])
-            r["source"] = f"{base['source']}; collectives: {own['source']}"
-        f = tmp / f"rates_for_{w}.json"
-        f.write_text(json.dumps(r))
-        files[w] = str(f)
-        print(f"rates for {w} ranks: latency {r['latency'] * 1e6:.0f} us, bus "
-              f"{r['intra_bw'] / 1e9:.2f} GB/s ({r['source']})", flush=True)  # fmt: skip
-    return files
-
-
-# A prediction whose compute is timed on this machine (``--compute measured``) is one
-# draw of its speed: the small GPT's local step at 2 gloo ranks came out 199 to 271 ms
-# in five plan processes a few seconds apart on the 2-core machine (2026-12-03), while
-# the rounds inside one process move together. A launch of the run is one draw too,
-# and so is the host's AdamW in an offloaded GPU step (one prediction's host steps 1166
-# to 1623 ms on one H200 machine, 2026-12-03). Made all before the run, the
-# predictions sampled other minutes than the launches: the suite takes ``PAIRS``
-# pairs, each ``plan --measure --launches 1`` in a process of its own (predict, then
-# measure one launch), and compares the median prediction with the median launch.
-PAIRS = 3
-# The 2-core machine spreads most (one row's launches 751, 854 and 949 ms a step): five.
-CPU_PAIRS = 5
 
 
 def median_prediction(plans: list[dict[str, Any]]) -> dict[str, Any]:
@@ -258,10 +217,10 @@ def median_prediction(plans: list[dict[str, Any]]) -> dict[str, Any]:
 
 def merged_measurements(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Several ``plan --measure`` runs' figures as one: the step time over every launch
-    (``plan_measure.launch_figures``, as one run's launches), each rank's peak the
+    (``shardwise_plan.measure.launch_figures``, as one run's launches), each rank's peak the
     median over the runs (the upper middle of an even count: a peak measured, not an
     average), each run's kept beside."""
-    from .plan_measure import launch_figures
+    from shardwise_plan.measure import launch_figures
 
     peaks = [m["peak_bytes"] for m in runs]
     return {
@@ -288,18 +247,6 @@ def _pairs(plans: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def median_rates(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first calibration's rates file with each measured rate (a float) the median
-    over ``runs``; counts, switches and text as the first has them."""
-    first = dict(runs[0])
-    for key, value in first.items():
-        if isinstance(value, float):
-            first[key] = statistics.median(r[key] for r in runs)
-    if len(runs) > 1:
-        first["source"] = f"{first['source']} (each rate the median of {len(runs)})"
-    return first
-
-
 def _summary(d: dict[str, Any]) -> dict[str, Any]:
     m = d["measured"]
     peak = m["peak_bytes"][0]
@@ -320,7 +267,7 @@ def _summary(d: dict[str, Any]) -> dict[str, Any]:
         "predicted_comm_ms": d["time"]["comm_ms"],
         "compute": d["compute"],
         "measured_step_ms_per_launch": m.get("step_ms_per_launch"),
-        "measured_frees_unrecorded": m.get("frees_unrecorded"),  # CPU: plan_measure.live_peak
+        "measured_frees_unrecorded": m.get("frees_unrecorded"),  # CPU: measure.live_peak
     }
 
 
@@ -416,3 +363,39 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} | {r['step_error_pct']:+.1f}% |"
         )
     return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="plan_suite.py", description=__doc__.splitlines()[0])
+    p.add_argument("--suite", choices=tuple(SUITES), required=True)
+    p.add_argument("--rows", default=None, help="only these rows, by index from 0 (e.g. 0,2)")
+    p.add_argument("--json", default=None, metavar="FILE", help="the rows (and FILE.md)")
+    p.add_argument("--rates", default=None, metavar="FILE", help="`shardwise calibrate` rates")
+    p.add_argument("--compute", choices=("rates", "measured"), default="rates")
+    p.add_argument("--launches", type=int, default=None, metavar="N")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.launches is not None and args.launches < 1:
+        raise UsageError(f"--launches must be at least 1, got {args.launches}")
+    if args.suite == "scaling" and args.launches is not None:
+        raise UsageError("--launches counts measured runs: the scaling suite measures none")
+    if args.suite == "cpu" and args.compute == "measured":
+        raise UsageError(
+            "--compute measured: the cpu suite checks memory (a CPU step is indicative)"
+        )
+    only = suite_rows(args.suite, args.rows) if args.rows is not None else None
+    if args.json:
+        plan_cli.check_output(args.json, "--json")
+    extra = ["--rates", args.rates] if args.rates else []
+    return run_suite(args.suite, args.json, extra, only, args.launches, args.compute)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UsageError as e:
+        print(f"plan_suite.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
