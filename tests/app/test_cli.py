@@ -31,6 +31,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Three checkpoints: the damaged-checkpoint tests fall back from one to the next.
     r = shardwise("train", *FAST, "--nproc", "2", "--save-every", "8", "--out", "run", cwd=cwd)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "done: 24 steps in " in r.stdout  # a run from the start: no "from -> to"
     return cwd / "run"
 
 
@@ -86,6 +87,9 @@ def test_interrupt_saves_and_resume_repeats_the_losses(reference: Path, tmp_path
     r = shardwise("train", "--resume", "run", "--nproc", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed at step {stopped['steps_done']}" in r.stdout
+    # The steps this launch took, and where the run stands.
+    at = stopped["steps_done"]
+    assert f"done: {24 - at} steps ({at} -> 24) in " in r.stdout
     resumed, expected = rows(tmp_path / "run"), rows(reference)
     assert [r["step"] for r in resumed] == list(range(1, 25))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in expected]
@@ -289,6 +293,26 @@ def test_sample_of_a_folder_that_is_no_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_resume_with_no_step_left_says_where_the_run_is(reference: Path, capsys) -> None:
+    """--steps at or below the run's step: one true line, exit 2, no schedule note
+    before it, the run folder untouched."""
+    from shardwise_app.cli.main import main
+
+    before = {p: p.stat().st_mtime_ns for p in reference.rglob("*")}
+    assert main(["train", "--resume", str(reference), "--steps", "10", "--nproc", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"shardwise train: error: --resume {reference}: the run is already at step 24, "
+        "past --steps 10; pass a larger --steps to train further\n"
+    )
+    assert main(["train", "--resume", str(reference), "--nproc", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"shardwise train: error: --resume {reference}: the run is already at step 24, "
+        "its last (--steps 24); pass a larger --steps to train further\n"
+    )
+    assert {p: p.stat().st_mtime_ns for p in reference.rglob("*")} == before
+
+
+@pytest.mark.timeout(60)
 def test_export_of_a_gpt_run_is_refused(reference: Path, tmp_path: Path, capsys) -> None:
     from shardwise_app.cli.main import main
 
@@ -321,6 +345,37 @@ def test_each_rank_reads_its_slice_of_the_same_global_batch() -> None:
 
     assert global_batch(1, 1, 5) == global_batch(2, 2, 5) == global_batch(4, 2, 5)
     assert global_batch(2, 1, 5) != global_batch(2, 1, 6)
+
+
+def test_run_config_reads_and_writes_config_json_as_it_was() -> None:
+    """config.json field for field, in its order, for a run of the built-in GPT (no
+    hf_weights key) and of --hf; an older run's, without later keys, still reads."""
+    from shardwise_app.cli.run_config import RunConfig
+
+    gpt = {
+        **{"model": "tiny", "steps": 3, "batch_size": 4, "seq_len": 32, "lr": 0.002},
+        **{"warmup": 0, "grad_clip": 1.0, "grad_accum": 1, "hsdp": 1},
+        **{"activation_checkpointing": "none", "mixed_precision": "none", "data": None},
+        **{"seed": 1337, "eval_every": 20, "eval_batches": 4, "save_every": 0},
+        **{"compile": False, "hf": None, "lora": None, "lora_alpha": None},
+        **{"lora_targets": None, "adapter_only": None},
+        "model_config": {"vocab_size": 256, "seq_len": 32, "n_layer": 4, "n_head": 4},
+        **{"world_size": 2, "device": "cpu", "out": "/tmp/run", "resume": None},
+        **{"resume_step": 0, "resumed_metrics": None, "corpus": {"sha256": "3e6f"}},
+        **{"torch_version": "2.13.0+cpu", "shardwise_version": "0.1.0", "launch_id": "afcb"},
+    }
+    config = RunConfig.from_json(gpt)
+    assert list(config.to_json().items()) == list(gpt.items())
+    assert config.lr_at(3) == pytest.approx(0.0002) and config.micro_batch == 2
+    hf: dict = {}
+    for k, v in gpt.items():  # hf_weights comes just before model_config
+        if k == "model_config":
+            hf["hf_weights"], v = {"model.safetensors": [1, 2]}, {"model_type": "llama"}
+        hf[k] = v
+    hf.update(model="llama", hf="/m", adapter_only=False)
+    assert list(RunConfig.from_json(hf).to_json().items()) == list(hf.items())
+    older = {k: v for k, v in gpt.items() if k not in ("compile", "corpus", "launch_id")}
+    assert RunConfig.from_json({**older, "gone": 1}).compile is False
 
 
 @pytest.mark.timeout(60)
@@ -446,9 +501,10 @@ def test_resume_from_an_older_checkpoint_replaces_the_later_ones(
         "step_000024.replaced",
     ]
     assert (run / "checkpoints" / "step_000024.replaced" / ".metadata").is_file()
+    assert "done: 4 steps (8 -> 12) in " in r.stdout
     r = shardwise("train", "--resume", "run", "--steps", "16", "--nproc", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "resumed at step 12" in r.stdout
+    assert "resumed at step 12" in r.stdout and "done: 4 steps (12 -> 16) in " in r.stdout
     assert [row["step"] for row in rows(run)] == list(range(1, 17))
 
 

@@ -240,6 +240,14 @@ def _bad_in_process(argv: list[str], cwd: Path, capsys, monkeypatch) -> str:
         (["train", "--out", "notes.txt/run"], "notes.txt is a file, not a folder"),
         (["train", "--data", "weights.bin"], "--data weights.bin: looks binary"),
         (["train", "--resume", "notes.txt"], "--resume notes.txt: is a file"),
+        # The position table is the model size's: longer looked like a hang.
+        (
+            ["train", "--seq-len", "100000"],
+            "--seq-len 100000 is longer than the model's context (128 bytes for --model tiny)",
+        ),
+        # Output paths before the checkpoint ("." is none) is even looked at.
+        (["export", "--ckpt", ".", "--out", "notes.txt/x"], "notes.txt is a file, not a folder"),
+        (["export", "--ckpt", ".", "--out", "/sys/x"], "--out /sys/x: cannot write in /sys"),
         (["sample", "--ckpt", ".", "--temperature", "nan"], "--temperature must be a number"),
         (["bench", "--configs", "Shardwise"], "unknown --configs value 'Shardwise'"),
         (["bench", "--configs", "fsdp3"], "unknown --configs value 'fsdp3'"),
@@ -247,7 +255,11 @@ def _bad_in_process(argv: list[str], cwd: Path, capsys, monkeypatch) -> str:
         (["bench", "--configs", "bare", "--nproc", "2"], "the bare model runs only at --nproc 1"),
         (["bench", "--steps", "0"], "--steps must be at least 1, got 0"),
         (["bench", "--rounds", "0"], "--rounds must be at least 1, got 0"),
-        (["bench", "--json", "no/such/folder/bench.json"], "--json no/such/folder/bench.json"),
+        (
+            ["bench", "--json", "no/such/folder/bench.json"],
+            "--json no/such/folder/bench.json: cannot write it (no/such/folder does not exist)",
+        ),
+        (["bench", "--plot", "notes.txt/b.png"], "(notes.txt is a file, not a folder)"),
         (["bench", "--json", "/sys/bench.json"], "--json /sys/bench.json: cannot write it"),
     ],
 )
@@ -258,6 +270,37 @@ def test_bad_input_in_process(argv: list[str], message: str, tmp_path, capsys, m
     line = _bad_in_process(argv, tmp_path, capsys, monkeypatch)
     assert message in line, line
     assert line.startswith(f"shardwise {argv[0]}: error: ")
+
+
+@pytest.mark.timeout(60)
+def test_memory_beyond_a_process_is_warned_in_one_line(tmp_path, capsys, monkeypatch) -> None:
+    """One step's activations past what a process has here: a warning with the figures,
+    before anything is written; the run itself may go on (the estimate is rough)."""
+    from shardwise_app.cli import train_config
+
+    monkeypatch.setattr(train_config, "memory_per_process", lambda device, local: 2**20)
+    args = train_config.build_parser().parse_args(["--out", str(tmp_path / "run")])
+    config = train_config.resolve(args, world=2)
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("warning: one step's activations need about 36 MiB per process")
+    assert "(8 sequences of 128 bytes through 4 blocks), more than the 1 MiB each" in line
+    assert "lower --batch-size or --seq-len" in line
+    assert config.seq_len == 128 and list(tmp_path.iterdir()) == []
+
+
+def test_activation_estimate() -> None:
+    """The estimate's arithmetic: checkpointing keeps one input per block, bf16 halves."""
+    from shardwise_app.cli.fits import Shape, activation_bytes
+
+    gpt = Shape(d_model=128, n_layer=4, ffn=512, vocab=256, gated=False)
+    per_block = 9 * 128 + 2 * 512  # values per token
+    logits = 256 * 8  # bytes per token
+    assert activation_bytes(gpt, 10, "none", bf16=False) == 10 * (4 * per_block * 4 + logits)
+    checkpointed = 4 * 128 + per_block  # each block's input, one block recomputed
+    assert activation_bytes(gpt, 10, "reentrant", False) == 10 * (checkpointed * 4 + logits)
+    assert activation_bytes(gpt, 10, "none", bf16=True) == 10 * (4 * per_block * 2 + 256 * 10)
+    assert Shape.of({"hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 320}, hf=True)
+    assert Shape.of({"hidden_size": 32}, hf=True) is None
 
 
 @pytest.mark.timeout(60)

@@ -214,21 +214,21 @@ def test_data_is_tokenized_and_packed_with_eos(folders: dict[str, Path]) -> None
 
 def one_process_reference(folders: dict[str, Path], run: Path) -> tuple[list[float], Any]:
     """The run's recipe on one process, from ``from_pretrained``, uncompiled, on the whole batch."""
-    from shardwise_app.cli.train import lr_at
+    from shardwise_app.cli.run_config import RunConfig
     from shardwise_app.data import BatchSampler, load_corpus
     from shardwise_app.models.hf import load_tokenizer
 
-    cfg = json.loads((run / "config.json").read_text())
+    cfg = RunConfig.read(run / "config.json")
     model = from_pretrained(folders["llama"]).train()
-    corpus = load_corpus(cfg["data"], min_split_bytes=33, tokenizer=load_tokenizer(cfg["hf"]))
-    sampler = BatchSampler(corpus.train, seq_len=32, batch_size=8, seed=cfg["seed"])
+    corpus = load_corpus(cfg.data, min_split_bytes=33, tokenizer=load_tokenizer(cfg.hf))
+    sampler = BatchSampler(corpus.train, seq_len=32, batch_size=8, seed=cfg.seed)
     params = list(model.parameters())
     opt = torch.optim.AdamW(
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ],
-        lr=cfg["lr"],
+        lr=cfg.lr,
         betas=(0.9, 0.95),
         eps=1e-8,
     )
@@ -238,7 +238,7 @@ def one_process_reference(folders: dict[str, Path], run: Path) -> tuple[list[flo
     try:
         for step in range(1, STEPS + 1):
             for group in opt.param_groups:
-                group["lr"] = lr_at(cfg, step)
+                group["lr"] = cfg.lr_at(step)
             x, y = sampler.batch(step)
             loss = F.cross_entropy(model(input_ids=x).logits.float().flatten(0, 1), y.flatten())
             loss.backward()

@@ -308,6 +308,9 @@ def _check(
     """Every flag, before any process starts or any file is written."""
     from ..models.gpt import CHECKPOINTING
 
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            _check_writable(flag, Path(path))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchUsageError("--device cuda: no CUDA GPU is available here; use --device cpu")
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
@@ -359,9 +362,6 @@ def _check(
                 f"activation/gradient_checkpointing_enable, which offers {', '.join(HF_AC)}"
             )
     specs = [resolve(name, args.seq_len, cuda) for name in names]
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            _check_writable(flag, Path(path))
     return cuda, nproc, configs, acs, mps, compiles, specs
 
 
@@ -381,6 +381,10 @@ def _check_writable(flag: str, path: Path) -> None:
     """Try it: a results file that cannot be written would be found out only at the end."""
     if path.is_dir():
         raise BenchUsageError(f"{flag} {path}: is a folder")
+    folder = path.parent
+    if not folder.is_dir():  # not made for it: a typo in a folder's name is told, not obeyed
+        why = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise BenchUsageError(f"{flag} {path}: cannot write it ({folder} {why})")
     existed = path.exists()
     try:
         with open(path, "a"):

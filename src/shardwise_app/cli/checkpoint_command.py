@@ -16,11 +16,12 @@ from typing import Any
 
 from .common import add_launch_arguments, in_worker, launch_from_args
 from .launcher import launch
+from .run_config import RunConfig
 from .run_folder import find_checkpoint
 from .signals import restore_default_signals
 
 # (checkpoint folder, the run's config, distributed) -> exit code
-Work = Callable[[Path, dict[str, Any], bool], int]
+Work = Callable[[Path, RunConfig, bool], int]
 
 
 def parser(
@@ -49,7 +50,7 @@ def run(
     args: argparse.Namespace,
     worker_args: Iterable[str],
     work: Work,
-    check: Callable[[Path, dict[str, Any]], None] | None = None,
+    check: Callable[[Path, RunConfig], None] | None = None,
 ) -> int:
     """Find the checkpoint (verified), ``check`` it, then ``work`` here or in the workers.
 
@@ -69,7 +70,7 @@ def run(
     return launch(command, passed, where, on_signal=lambda _id, signum: 128 + signum)
 
 
-def say_source(config: dict[str, Any], extra: dict[str, Any], ckpt: Any) -> None:
+def say_source(config: RunConfig, extra: dict[str, Any], ckpt: Any) -> None:
     """The one line on stderr that says which model, step and checkpoint the output is of."""
     step = extra.get("step", "?")
-    print(f"# {config.get('model', '?')} at step {step}, from {ckpt}", file=sys.stderr)
+    print(f"# {config.model} at step {step}, from {ckpt}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """What every subcommand shares, and imports from nowhere else in the cli.
 
-The bad-input error (one line on stderr, exit code 2), the Ctrl-C that an
-import swallowed, and where workers run (``Launch``, and the flags that say
-it). The entry (``main.py``), the launcher that starts and watches the
+The bad-input error (one line on stderr, exit code 2) and the check of a
+folder a command will write in, the Ctrl-C that an import swallowed, and
+where workers run (``Launch``, and the flags that say it). The entry (``main.py``), the launcher that starts and watches the
 workers (``launcher.py``), the process group a worker joins
 (``process_group.py``) and each command import these from here, so that none
 of them needs another's module for a constant or a type.
@@ -11,7 +11,9 @@ of them needs another's module for a constant or a type.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
@@ -24,6 +26,24 @@ LAUNCH_ID_ENV = "SHARDWISE_LAUNCH_ID"
 
 class UsageError(Exception):
     """Bad input: reported as one line on stderr, exit code 2, before anything is written."""
+
+
+def check_writable(folder: Path, said: str) -> None:
+    """A folder a command will make or write in, checked before any work: the nearest
+    one that exists is a folder, and this process can write in it (the missing ones
+    below it are made, as ``mkdir -p`` would).
+
+    Tried, not read off the permission bits: root passes those where the kernel
+    still refuses (``/sys``), and a read-only mount passes them too.
+    """
+    folder = folder.resolve()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{said}: {existing} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".shardwise-", dir=existing))
+    except OSError as e:
+        raise UsageError(f"{said}: cannot write in {existing} ({e.strerror})") from None
 
 
 # ---- Ctrl-C while importing -----------------------------------------------------------------

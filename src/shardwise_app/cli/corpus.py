@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from .common import UsageError
+from .run_config import RunConfig
 from .run_folder import CORPUS
 
 
-def prepare(config: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Tokenize the run's corpus into ``out/corpus``; return what ``config["corpus"]`` says.
+def prepare(config: RunConfig, out: Path) -> dict[str, Any]:
+    """Tokenize the run's corpus into ``out/corpus``; return what ``config.corpus`` says.
 
     Called under the run's lock, before the workers start. Raises
     ``UsageError`` (and leaves no token file) when the data cannot be used.
@@ -33,8 +34,8 @@ def prepare(config: dict[str, Any], out: Path) -> dict[str, Any]:
     existed = cache.exists()
     try:
         corpus = load_corpus(
-            config["data"],
-            min_split_bytes=config["seq_len"] + 1,
+            config.data,
+            min_split_bytes=config.seq_len + 1,
             tokenizer=_tokenizer(config),
             cache=cache,
         )
@@ -43,8 +44,8 @@ def prepare(config: dict[str, Any], out: Path) -> dict[str, Any]:
             shutil.rmtree(cache, ignore_errors=True)
         raise UsageError(str(e)) from None
     described = corpus.describe()
-    if config.get("resumed_metrics"):
-        then = _resumed_corpus(Path(config["resumed_metrics"]).with_name("config.json"))
+    if config.resumed_metrics:
+        then = _resumed_corpus(Path(config.resumed_metrics).with_name("config.json"))
         if then is not None and then != described["sha256"]:
             print(
                 "warning: the data changed since this run started; losses will differ",
@@ -53,25 +54,25 @@ def prepare(config: dict[str, Any], out: Path) -> dict[str, Any]:
     return described
 
 
-def open_corpus(config: dict[str, Any]) -> Any:
+def open_corpus(config: RunConfig) -> Any:
     """The run's corpus as ``prepare`` left it, memory-mapped read-only (every rank)."""
     from ..data import DataError, open_tokens
 
     try:
-        return open_tokens(Path(config["out"]) / CORPUS, min_split_bytes=config["seq_len"] + 1)
+        return open_tokens(Path(config.out) / CORPUS, min_split_bytes=config.seq_len + 1)
     except DataError as e:
         from .failures import RunFailure
 
         raise RunFailure(str(e)) from None
 
 
-def _tokenizer(config: dict[str, Any]) -> Any:
-    if not config.get("hf"):
+def _tokenizer(config: RunConfig) -> Any:
+    if not config.hf:
         return None  # the built-in GPT reads bytes
     from ..models import hf
 
     hf.quiet_transformers()
-    return hf.load_tokenizer(config["hf"])
+    return hf.load_tokenizer(config.hf)
 
 
 def _resumed_corpus(config_file: Path) -> str | None:

@@ -14,14 +14,13 @@ a time, as at the end of a run.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
-from typing import Any
 
 from . import checkpoint_command
 from .checkpoint_command import say_source
-from .common import UsageError, in_worker
+from .common import UsageError, check_writable, in_worker
 from .process_group import init_worker
+from .run_config import RunConfig
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,19 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if not in_worker():  # before the checkpoint is verified: minutes for a large one
+        _check_out(Path(args.out), args.out)
 
-    def check(ckpt: Path, config: dict[str, Any]) -> None:
-        if not config.get("hf"):
+    def check(ckpt: Path, config: RunConfig) -> None:
+        if not config.hf:
             raise UsageError(
                 f"--ckpt {args.ckpt}: a run of the built-in GPT; export writes runs of "
                 "`shardwise train --hf` (its checkpoints load with shardwise.checkpoint)"
             )
-        if args.adapter_only and not config.get("lora"):
+        if args.adapter_only and not config.lora:
             raise UsageError(
                 f"--adapter-only: the run at {args.ckpt} trained every weight, not LoRA adapters"
             )
-        if not in_worker():
-            _check_out(Path(args.out), args.out)
 
     return checkpoint_command.run(
         "export",
@@ -69,16 +68,16 @@ def main(argv: list[str]) -> int:
 
 
 def _check_out(out: Path, given: str) -> None:
+    """A new or empty folder, whose parent can be written in: the export is written beside
+    it (``<out>.partial``) and renamed into place; missing folders above are made."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {given}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
         raise UsageError(f"--out {given}: the folder already holds files; choose a new one")
-    existing = next(p for p in (out.resolve(), *out.resolve().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {given}: cannot write in {existing}")
+    check_writable(out.resolve().parent, f"--out {given}")
 
 
-def _export(args: argparse.Namespace, ckpt: Path, config: dict[str, Any], distributed: bool) -> int:
+def _export(args: argparse.Namespace, ckpt: Path, config: RunConfig, distributed: bool) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

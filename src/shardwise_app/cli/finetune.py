@@ -17,15 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .common import UsageError
+from .fits import check_seq_len
+from .run_config import RunConfig, TrainingFlags
 
-# Training flags of a fine-tuning run; with --resume, taken from the resumed run.
-DEFAULTS: dict[str, Any] = {
-    "hf": None,
-    "lora": None,
-    "lora_alpha": None,  # 2 x rank
-    "lora_targets": None,  # "all-linear": every linear layer but the output head
-    "adapter_only": None,
-}
 EXPORT = "export"  # the run folder's subfolder the finished run exports to
 DEFAULT_SEQ_LEN = 1024  # capped at the model's own context length
 PEAK_LR = {"full": 2e-5, "lora": 2e-4}
@@ -63,11 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(
-    c: dict[str, Any], given: dict[str, Any], resumed: dict[str, Any], resume_arg: str | None
-) -> dict[str, Any] | None:
-    """Check and complete the fine-tuning settings in ``c``; the model's config.json, if any.
+    c: TrainingFlags, given: dict[str, Any], resumed: RunConfig | None, resume_arg: str | None
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Check and complete the fine-tuning settings of ``c`` (in place): the model's
+    config.json and its weights' fingerprint, or None for a run of the built-in GPT.
 
-    Returns None for a run of the built-in GPT. Raises ``UsageError``.
+    Raises ``UsageError``.
     """
     from ..models.hf import (
         HFError,
@@ -78,7 +73,7 @@ def resolve(
     )
 
     lora_flags = [k for k in ("lora", "lora_alpha", "lora_targets", "adapter_only") if k in given]
-    if c["hf"] is None:
+    if c.hf is None:
         if lora_flags:
             raise UsageError(
                 f"--{lora_flags[0].replace('_', '-')} needs --hf PATH: LoRA fine-tunes a "
@@ -89,59 +84,59 @@ def resolve(
         raise UsageError("--model picks a built-in GPT and --hf a model folder: give only one")
     try:
         require_extra()
-        config = check_folder(c["hf"])
+        config = check_folder(c.hf)
     except HFError as e:
         raise UsageError(str(e)) from None
-    path = str(Path(c["hf"]).resolve())
+    path = str(Path(c.hf).resolve())
     if resumed:
-        if resumed.get("hf") != path:
+        if resumed.hf != path:
             raise UsageError(
-                f"--resume {resume_arg}: the checkpoint is of model {resumed.get('model')!r}"
-                f"{' from ' + resumed['hf'] if resumed.get('hf') else ''}, not of --hf {c['hf']}"
+                f"--resume {resume_arg}: the checkpoint is of model {resumed.model!r}"
+                f"{' from ' + resumed.hf if resumed.hf else ''}, not of --hf {c.hf}"
             )
         if "lora_targets" in given and given["lora_targets"]:
             given = {**given, "lora_targets": _targets(given["lora_targets"])}
         for k in lora_flags:
-            if given[k] != resumed.get(k) and k != "adapter_only":
+            if given[k] != getattr(resumed, k) and k != "adapter_only":
                 flag = f"--{k.replace('_', '-')}"
                 raise UsageError(
                     f"--resume {resume_arg}: the checkpoint was trained with {flag} "
-                    f"{resumed.get(k)}; {flag} {given[k]} does not match it"
+                    f"{getattr(resumed, k)}; {flag} {given[k]} does not match it"
                 )
-        if resumed.get("model_config") != config:
+        if resumed.model_config != config:
             raise UsageError(
                 f"--resume {resume_arg}: {path}/config.json changed since the run started; "
                 "the checkpoint is of the model it described then"
             )
     # Recorded at the start, compared on resume: a fine-tune continued on other
     # base weights trains on quietly into nonsense. (Runs from before it: unchecked.)
-    c["hf_weights"] = weights_fingerprint(path)
-    then = resumed.get("hf_weights") if resumed else None
-    if then is not None and then != c["hf_weights"]:
-        changed = sorted(set(then) ^ set(c["hf_weights"])) or sorted(
-            f for f in then if then[f] != c["hf_weights"][f]
+    weights = weights_fingerprint(path)
+    then = resumed.hf_weights if resumed else None
+    if then is not None and then != weights:
+        changed = sorted(set(then) ^ set(weights)) or sorted(
+            f for f in then if then[f] != weights[f]
         )
         raise UsageError(
             f"--resume {resume_arg}: the base weights in {path} changed since the run started "
             f"({changed[0]} differs); the checkpoint fine-tunes the weights that were there then"
         )
-    c["hf"] = path
-    if c["lora"] is None:
+    c.hf = path
+    if c.lora is None:
         extra = [k for k in lora_flags if k != "lora"]
         if extra:
             raise UsageError(f"--{extra[0].replace('_', '-')} needs --lora R")
     else:
-        if c["lora"] < 1:
-            raise UsageError(f"--lora must be at least 1, got {c['lora']}")
-        if c["lora_alpha"] is None:
-            c["lora_alpha"] = 2.0 * c["lora"]
-        if not c["lora_alpha"] > 0:
-            raise UsageError(f"--lora-alpha must be positive, got {c['lora_alpha']}")
-        targets = c["lora_targets"] or "all-linear"
+        if c.lora < 1:
+            raise UsageError(f"--lora must be at least 1, got {c.lora}")
+        if c.lora_alpha is None:
+            c.lora_alpha = 2.0 * c.lora
+        if not c.lora_alpha > 0:
+            raise UsageError(f"--lora-alpha must be positive, got {c.lora_alpha}")
+        targets = c.lora_targets or "all-linear"
         if not _targets(targets):
             raise UsageError(f"--lora-targets {targets!r} names no module")
-        c["lora_targets"] = _targets(targets)
-        tied = {"lm_head", "embed_tokens"} & set(c["lora_targets"].split(","))
+        c.lora_targets = _targets(targets)
+        tied = {"lm_head", "embed_tokens"} & set(c.lora_targets.split(","))
         if tied and config.get("tie_word_embeddings", False):
             # The merged export could not hold an adapted head and an unadapted
             # embedding (or the reverse) that share one weight.
@@ -150,34 +145,31 @@ def resolve(
                 "input embedding, so an adapter there cannot be merged into both; adapt "
                 "other modules"
             )
-    c["adapter_only"] = bool(c["adapter_only"])
-    c["model"] = str(config["model_type"])
+    c.adapter_only = bool(c.adapter_only)
+    c.model = str(config["model_type"])
     context = context_length(config)
-    if c["seq_len"] is None:
-        c["seq_len"] = min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN)
-    elif context is not None and c["seq_len"] > context:
-        raise UsageError(
-            f"--seq-len {c['seq_len']} is longer than the model's context ({context} tokens)"
-        )
-    if c["lr"] is None:
-        c["lr"] = PEAK_LR["lora" if c["lora"] else "full"]
-    return config
+    if c.seq_len is None:
+        c.seq_len = min(DEFAULT_SEQ_LEN, context or DEFAULT_SEQ_LEN)
+    else:
+        check_seq_len(c.seq_len, context, "tokens")
+    if c.lr is None:
+        c.lr = PEAK_LR["lora" if c.lora else "full"]
+    return config, weights
 
 
-def lora_spec(cfg: dict[str, Any]) -> Any:
+def lora_spec(cfg: RunConfig) -> Any:
     from ..models.hf import LoraSpec
 
-    if not cfg.get("lora"):
+    if not cfg.lora:
         return None
-    targets = cfg["lora_targets"]
+    targets = cfg.lora_targets or "all-linear"
+    alpha = 2.0 * cfg.lora if cfg.lora_alpha is None else cfg.lora_alpha
     return LoraSpec(
-        cfg["lora"],
-        cfg["lora_alpha"],
-        "all-linear" if targets == "all-linear" else targets.split(","),
+        cfg.lora, alpha, "all-linear" if targets == "all-linear" else targets.split(",")
     )
 
 
-def build_model(cfg: dict[str, Any], device: Any, world: int) -> tuple[Any, Any, Any, Any]:
+def build_model(cfg: RunConfig, device: Any, world: int) -> tuple[Any, Any, Any, Any]:
     """Any run's sharded model: (model, its token ids -> logits, the HFModel, the tokenizer).
 
     The last two are None for the built-in GPT. Call on every rank.
@@ -190,33 +182,33 @@ def build_model(cfg: dict[str, Any], device: Any, world: int) -> tuple[Any, Any,
     from ..models.gpt import build_sharded
     from ..models.hf import logits
 
-    if cfg["hsdp"] > 1:
+    if cfg.hsdp > 1:
         mesh = init_device_mesh(
-            device.type, (cfg["hsdp"], world // cfg["hsdp"]), mesh_dim_names=("replicate", "shard")
+            device.type, (cfg.hsdp, world // cfg.hsdp), mesh_dim_names=("replicate", "shard")
         )
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cfg["mixed_precision"] == "bf16"
+        if cfg.mixed_precision == "bf16"
         else None
     )
-    if cfg["hf"]:
+    if cfg.hf:
         # Built on meta, sharded, then each rank reads only its rows from disk.
         hf, tokenizer = build(cfg, device, mesh, mp)
         return hf.model, partial(logits, hf.model), hf, tokenizer
     model = build_sharded(
-        cfg["model_config"],
+        cfg.model_config,
         device,
         mesh=mesh,
         mp_policy=mp,
-        activation_checkpointing=cfg["activation_checkpointing"],
-        compile=cfg["compile"],
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile=cfg.compile,
     )
     return model, model, None, None
 
 
-def build(cfg: dict[str, Any], device: Any, mesh: Any, mp_policy: Any) -> tuple[Any, Any]:
+def build(cfg: RunConfig, device: Any, mesh: Any, mp_policy: Any) -> tuple[Any, Any]:
     """The sharded model of a fine-tuning run, loaded shard by shard, and its tokenizer."""
     from ..models import hf
     from ..models.gpt import compile_blocks
@@ -224,27 +216,27 @@ def build(cfg: dict[str, Any], device: Any, mesh: Any, mp_policy: Any) -> tuple[
 
     try:
         hf.quiet_transformers()
-        tokenizer = hf.load_tokenizer(cfg["hf"])
+        tokenizer = hf.load_tokenizer(_folder(cfg))
         model = hf.build_meta(
-            cfg["hf"], lora=lora_spec(cfg), checkpointing=cfg["activation_checkpointing"]
+            _folder(cfg), lora=lora_spec(cfg), checkpointing=cfg.activation_checkpointing
         )
         hf.shard(model, mesh=mesh, mp_policy=mp_policy)
-        hf.materialize(model, device, seed=cfg["seed"])
+        hf.materialize(model, device, seed=cfg.seed)
     except BaseException as e:
         if passes_through(e) or peer_lost(e):
             raise
         # The same folder fails alike on every rank (an architecture transformers
         # does not know, weights saved under other names): rank 0 says it once.
-        message = str(e) if isinstance(e, hf.HFError) else f"--hf {cfg['hf']}: {first_line(e)}"
+        message = str(e) if isinstance(e, hf.HFError) else f"--hf {cfg.hf}: {first_line(e)}"
         raise RunFailure(message) from e
-    if cfg.get("compile"):
+    if cfg.compile:
         compile_blocks(model.layers, device.type)
     model.model.train()
     return model, tokenizer
 
 
 def load_run(
-    cfg: dict[str, Any], ckpt: Path, device: Any, mesh: Any = None
+    cfg: RunConfig, ckpt: Path, device: Any, mesh: Any = None
 ) -> tuple[Any, Any, dict[str, Any]]:
     """A fine-tuning run's model at checkpoint ``ckpt``: sharded on ``mesh``, or plain without.
 
@@ -259,33 +251,31 @@ def load_run(
 
     try:
         hf.require_extra("this run")
-        hf.check_folder(cfg["hf"], flag="the run's --hf")
+        hf.check_folder(_folder(cfg), flag="the run's --hf")
     except hf.HFError as e:
         raise UsageError(str(e)) from None
     hf.quiet_transformers()
-    tokenizer = hf.load_tokenizer(cfg["hf"])
-    model = hf.build_meta(cfg["hf"], lora=lora_spec(cfg))
+    tokenizer = hf.load_tokenizer(_folder(cfg))
+    model = hf.build_meta(_folder(cfg), lora=lora_spec(cfg))
     if mesh is not None:
         hf.shard(model, mesh=mesh)
-    hf.materialize(model, device, seed=cfg["seed"])
+    hf.materialize(model, device, seed=cfg.seed)
     with warnings.catch_warnings():
         # DCP warns that it loads "in a single process" when that is what we asked for.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        extra = checkpoint.load(
-            ckpt, model.model, trainable_only=bool(cfg.get("lora")), restore_rng=False
-        )
+        extra = checkpoint.load(ckpt, model.model, trainable_only=bool(cfg.lora), restore_rng=False)
     model.model.eval()
     return model, tokenizer, extra or {}
 
 
-def export_at_end(hf: Any, out: Path, cfg: dict[str, Any], ckpt: Path) -> Path:
+def export_at_end(hf: Any, out: Path, cfg: RunConfig, ckpt: Path) -> Path:
     """Export a finished run into ``out/export`` (every rank); a failure keeps the checkpoint."""
     from ..models.hf_export import export
     from .failures import RunFailure, first_line, passes_through, peer_lost
 
     exported = out / EXPORT
     try:
-        export(hf, exported, adapter_only=cfg["adapter_only"])
+        export(hf, exported, adapter_only=bool(cfg.adapter_only))
     except BaseException as e:
         if passes_through(e) or peer_lost(e):
             raise
@@ -295,6 +285,13 @@ def export_at_end(hf: Any, out: Path, cfg: dict[str, Any], ckpt: Path) -> Path:
             f"--ckpt {out} --out DIR)"
         ) from e
     return exported
+
+
+def _folder(cfg: RunConfig) -> str:
+    """The ``--hf`` folder of a fine-tuning run (its callers are only ever given one)."""
+    if cfg.hf is None:
+        raise ValueError("not a run of shardwise train --hf")
+    return cfg.hf
 
 
 def _targets(text: str) -> str:

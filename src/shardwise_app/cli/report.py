@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from .common import LAUNCH_ID_ENV
+from .run_config import RunConfig
 
 
 class Reporter:
     """Progress bar (plain lines when not on a terminal), metrics rows, plots, the summary."""
 
     def __init__(
-        self, cfg: dict[str, Any], n_params: int, start_step: int, trained: int | None = None
+        self, cfg: RunConfig, n_params: int, start_step: int, trained: int | None = None
     ) -> None:
         from rich.console import Console
         from rich.progress import (
@@ -33,7 +34,7 @@ class Reporter:
             TimeRemainingColumn,
         )
 
-        self.cfg, self.out = cfg, Path(cfg["out"])
+        self.cfg, self.out = cfg, Path(cfg.out)
         self.rows = read_jsonl(self.out / "metrics.jsonl")
         self.metrics = open(self.out / "metrics.jsonl", "a")  # kept open: one row per step
         self.recent: deque[float] = deque(maxlen=10)
@@ -42,20 +43,16 @@ class Reporter:
         self.traced: dict[str, Any] | None = None
         self.console = Console()
         self.live = self.console.is_terminal
-        self.every = max(1, cfg["steps"] // 20)
-        mp = "" if cfg["mixed_precision"] == "none" else f", {cfg['mixed_precision']}"
+        self.every = max(1, cfg.steps // 20)
+        mp = "" if cfg.mixed_precision == "none" else f", {cfg.mixed_precision}"
         resumed = f", resumed at step {start_step}" if start_step else ""
-        model = f"{cfg['model']} from {cfg['hf']}" if cfg.get("hf") else cfg["model"]
-        lora = (
-            f", LoRA r={cfg['lora']}: {(trained or 0) / 1e6:.2f}M trained"
-            if cfg.get("lora")
-            else ""
-        )
-        self.unit = "tokens" if cfg.get("hf") else "bytes"
+        model = f"{cfg.model} from {cfg.hf}" if cfg.hf else cfg.model
+        lora = f", LoRA r={cfg.lora}: {(trained or 0) / 1e6:.2f}M trained" if cfg.lora else ""
+        self.unit = "tokens" if cfg.hf else "bytes"
         print(
             f"shardwise train: {model} ({n_params / 1e6:.2f}M parameters{lora}), "
-            f"{cfg['world_size']} x {cfg['device']}{mp}, {cfg['steps']} steps of "
-            f"{cfg['batch_size']} x {cfg['seq_len']} {self.unit}{resumed} -> {self.out}",
+            f"{cfg.world_size} x {cfg.device}{mp}, {cfg.steps} steps of "
+            f"{cfg.batch_size} x {cfg.seq_len} {self.unit}{resumed} -> {self.out}",
             flush=True,
         )
         if self.live:
@@ -69,7 +66,7 @@ class Reporter:
                 console=self.console,
             )
             self.task = self.progress.add_task(
-                "train", total=cfg["steps"], completed=start_step, info=""
+                "train", total=cfg.steps, completed=start_step, info=""
             )
             self.progress.start()
 
@@ -88,8 +85,8 @@ class Reporter:
             self.progress.update(self.task, completed=step, info=info)
             if val:
                 self.progress.console.print(f"step {step:>5}: loss {row['loss']:.3f}{val}")
-        elif step % self.every == 0 or val or step == self.cfg["steps"]:
-            print(f"step {step:>5}/{self.cfg['steps']}  {info}{val}", flush=True)
+        elif step % self.every == 0 or val or step == self.cfg.steps:
+            print(f"step {step:>5}/{self.cfg.steps}  {info}{val}", flush=True)
 
     def timeline(self, tracer: Any, step: int) -> None:
         """Save one traced step: a Chrome/Perfetto trace and a Gantt chart per rank."""
@@ -117,7 +114,7 @@ class Reporter:
         plot(
             self.out,
             self.rows,
-            title=f"{self.cfg['model']}, {self.cfg['world_size']} x {self.cfg['device']}",
+            title=f"{self.cfg.model}, {self.cfg.world_size} x {self.cfg.device}",
             unit=self.unit[:-1],
         )
         new = [r for r in self.rows if r["step"] > self.start_step]
@@ -142,11 +139,16 @@ class Reporter:
             "timeline": self.traced,  # rank 0's collectives and waits in the traced step
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        # A resumed launch says how many steps it took, and from where to where:
+        # the run's total alone read as if every step ran now.
+        ran = step - self.start_step
         how = (
             f"stopped by {signal.Signals(signum).name} at step {step}"
             if stopped and signum
             else f"stopped at step {step}"
             if stopped
+            else f"done: {ran} steps ({self.start_step} -> {step})"
+            if self.start_step
             else f"done: {step} steps"
         )
         val = f"{summary['val_loss']:.4f}" if vals else "-"
@@ -158,10 +160,19 @@ class Reporter:
         )
         print(f"checkpoint: {ckpt}", flush=True)
         if exported:
-            what = "PeftModel" if self.cfg.get("adapter_only") else "AutoModelForCausalLM"
+            what = "PeftModel" if self.cfg.adapter_only else "AutoModelForCausalLM"
             print(f"export: {exported} (loads with {what}.from_pretrained)", flush=True)
         if stopped:
             print(f"resume with: shardwise train --resume {self.out}", flush=True)
+
+
+def stopped_before_the_first_step(signum: int, config: RunConfig) -> str:
+    """The line for a stop that came before any step (said by the launcher, or by rank 0
+    under torchrun): nothing of the run folder changed."""
+    kept = "the run folder is unchanged" if config.resume else "nothing was saved"
+    return (
+        f"shardwise train: stopped by {signal.Signals(signum).name} before the first step; {kept}"
+    )
 
 
 def plot(out: Path, rows: list[dict[str, Any]], title: str, unit: str = "byte") -> None:

@@ -24,10 +24,11 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from .common import UsageError
 from .report import read_jsonl
+from .run_config import RunConfig
 
 LOCK = ".lock"
 CORPUS = "corpus"  # the tokenized --data (cli/corpus.py): derived, made again at will
@@ -42,7 +43,7 @@ def is_checkpoint(path: Path) -> bool:
     return (path / ".metadata").is_file()
 
 
-def find_checkpoint(path: str, flag: str) -> tuple[Path, dict[str, Any]]:
+def find_checkpoint(path: str, flag: str) -> tuple[Path, RunConfig]:
     """A run folder (its latest undamaged checkpoint) or a checkpoint folder, and the run's config.
 
     Run folders hold ``config.json`` and ``checkpoints/step_NNNNNN``. A
@@ -89,8 +90,8 @@ def find_checkpoint(path: str, flag: str) -> tuple[Path, dict[str, Any]]:
         for d in damaged:
             print(f"warning: {d}; using {ckpt.name} instead", file=sys.stderr)
     try:
-        config = json.loads((run / "config.json").read_text())
-    except (OSError, ValueError):
+        config = RunConfig.read(run / "config.json")
+    except (OSError, ValueError, TypeError):
         raise UsageError(
             f"{flag} {path}: cannot read the run's config.json (looked in "
             f"{run}); a checkpoint must stay inside its run folder"
@@ -182,25 +183,23 @@ def remove_if_unused(out: Path, created: bool) -> None:
 # ---- the run's first writes, once the resume has loaded -------------------------------------
 
 
-def commit(config: dict[str, Any]) -> None:
+def commit(config: RunConfig) -> None:
     """Rank 0, once every rank loaded: write config.json and the metrics this run continues.
 
     Rows past the checkpoint belong to a future this run replaces. Each file
     is written whole to a temporary name and renamed over the old one, so a
     crash or a full disk leaves the old file, not half of a new one.
     """
-    out = Path(config["out"])
+    out = Path(config.out)
     rows = []
-    if config["resumed_metrics"]:
+    if config.resumed_metrics:
         rows = [
-            r
-            for r in read_jsonl(Path(config["resumed_metrics"]))
-            if r["step"] <= config["resume_step"]
+            r for r in read_jsonl(Path(config.resumed_metrics)) if r["step"] <= config.resume_step
         ]
-    _replace(out / "config.json", json.dumps(config, indent=2) + "\n")
+    _replace(out / "config.json", json.dumps(config.to_json(), indent=2) + "\n")
     _replace(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    if config["resumed_metrics"]:
-        _set_aside_checkpoints_after(out / "checkpoints", config["resume_step"])
+    if config.resumed_metrics:
+        _set_aside_checkpoints_after(out / "checkpoints", config.resume_step)
 
 
 def _set_aside_checkpoints_after(folder: Path, step: int) -> None:

@@ -18,6 +18,7 @@ from . import checkpoint_command
 from .checkpoint_command import say_source
 from .common import UsageError
 from .process_group import init_worker
+from .run_config import RunConfig
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     )
 
 
-def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distributed: bool) -> int:
+def _sample(args: argparse.Namespace, ckpt: Any, config: RunConfig, distributed: bool) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -76,12 +77,12 @@ def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distrib
         device, is_main = w.device, w.is_main
     else:
         device, is_main = torch.device("cuda" if torch.cuda.is_available() else "cpu"), True
-    if config.get("hf"):
+    if config.hf:
         _sample_hf(args, ckpt, config, device, is_main, distributed)
         if distributed:
             dist.destroy_process_group()
         return 0
-    cfg = GPTConfig(**config["model_config"])
+    cfg = GPTConfig(**config.model_config)
     with torch.device(device):
         model = GPT(cfg)
     if distributed:
@@ -105,7 +106,7 @@ def _sample(args: argparse.Namespace, ckpt: Any, config: dict[str, Any], distrib
 def _sample_hf(
     args: argparse.Namespace,
     ckpt: Any,
-    config: dict[str, Any],
+    config: RunConfig,
     device: Any,
     is_main: bool,
     distributed: bool,
@@ -128,7 +129,7 @@ def _sample_hf(
         start = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         prompt = [start]
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
-    seq_len = context_length(config["model_config"]) or config["seq_len"]
+    seq_len = context_length(config.model_config) or config.seq_len
     out = _generate(lambda ids: logits(hf.model, ids), idx, seq_len, args)
     if is_main:
         text = tokenizer.decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True)
@@ -155,6 +156,6 @@ def _generate(forward: Any, idx: Any, seq_len: int, args: argparse.Namespace) ->
     )
 
 
-def _print(text: str, config: dict[str, Any], extra: dict[str, Any], ckpt: Any) -> None:
+def _print(text: str, config: RunConfig, extra: dict[str, Any], ckpt: Any) -> None:
     say_source(config, extra, ckpt)
     print(text, flush=True)

@@ -1,64 +1,44 @@
 """The settings of a ``shardwise train`` run: its flags, the resumed run's, and their checks.
 
-A run is described by one dict, resolved once (by our launcher, or by rank 0
-under ``torchrun``) before anything is written: the flags given, else the
-resumed run's, else the defaults below; then checked, each bad value refused
-in one line (``UsageError``). ``train.py`` hands the result to its workers and
-writes it to the run folder as ``config.json``.
+A run is described by one ``RunConfig`` (run_config.py), resolved once (by
+our launcher, or by rank 0 under ``torchrun``) before anything is written:
+the flags given, else the resumed run's, else ``TrainingFlags``' defaults;
+then checked, each bad value refused in one line (``UsageError``).
+``train.py`` hands the result to its workers and writes it to the run
+folder as ``config.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from .common import UsageError, add_launch_arguments
-from .finetune import DEFAULTS as FINETUNE_DEFAULTS
+from .common import UsageError, add_launch_arguments, check_writable
+from .fits import Shape, check_seq_len, memory_per_process, memory_warning
 from .launcher import add_fault_arguments
+from .run_config import RunConfig, TrainingFlags
 from .run_folder import find_checkpoint, holds_only_the_lock, is_checkpoint
-
-# Flags that describe the training itself. With --resume, each one not given
-# on the command line is taken from the resumed run, so a bare
-# `shardwise train --resume DIR` continues exactly where the run stopped.
-DEFAULTS: dict[str, Any] = {
-    "model": "tiny",
-    "steps": 200,
-    "batch_size": 16,  # sequences per optimizer step, over all ranks and microbatches
-    "seq_len": None,  # the model size's own
-    "lr": None,  # the model size's, from PEAK_LR
-    "warmup": None,  # steps // 10, at most 100
-    "grad_clip": 1.0,
-    "grad_accum": 1,
-    "hsdp": 1,
-    "activation_checkpointing": "none",
-    "mixed_precision": "none",
-    "data": None,  # the Python standard library's sources
-    "seed": 1337,
-    "eval_every": 20,
-    "eval_batches": 4,
-    "save_every": 0,
-    "compile": False,
-    **FINETUNE_DEFAULTS,
-}
-# How our launcher hands the resolved config to its workers (see main()).
-CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
 
 _STEP = re.compile(r"step_(\d+)")  # a checkpoint folder's name
 # Smaller models take larger steps; 2e-3 makes the 1B model spike early on.
 PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "base": 6e-4, "medium": 3e-4, "large": 1.5e-4}
+_D = TrainingFlags()
 # The numeric flags, by argparse group: (flag, type, help). Their defaults are
-# DEFAULTS' (None here: with --resume, "not given" takes the resumed run's).
+# TrainingFlags' (None here: with --resume, "not given" takes the resumed run's).
 _NUMBERS: dict[str, list[tuple[str, type, str]]] = {
     "training": [
-        ("--steps", int, "optimizer steps in all (default: 200)"),
-        ("--batch-size", int, "sequences per optimizer step, over all processes (default: 16)"),
+        ("--steps", int, f"optimizer steps in all (default: {_D.steps})"),
+        (
+            "--batch-size",
+            int,
+            f"sequences per optimizer step, over all processes (default: {_D.batch_size})",
+        ),
         ("--seq-len", int, "tokens (bytes) per sequence (default: the model's)"),
         (
             "--lr",
@@ -67,16 +47,17 @@ _NUMBERS: dict[str, list[tuple[str, type, str]]] = {
             "medium 3e-4, large 1.5e-4)",
         ),
         ("--warmup", int, "linear warmup steps (default: steps/10, at most 100)"),
-        ("--grad-clip", float, "max gradient norm, 0 for none (default: 1.0)"),
-        ("--grad-accum", int, "microbatches per optimizer step (default: 1)"),
+        ("--grad-clip", float, f"max gradient norm, 0 for none (default: {_D.grad_clip})"),
+        ("--grad-accum", int, f"microbatches per optimizer step (default: {_D.grad_accum})"),
     ],
     "data and output": [
-        ("--eval-every", int, "validate every N steps (default: 20)"),
-        ("--eval-batches", int, "validation size in batches (default: 4)"),
+        ("--eval-every", int, f"validate every N steps (default: {_D.eval_every})"),
+        ("--eval-batches", int, f"validation size in batches (default: {_D.eval_batches})"),
         (
             "--save-every",
             int,
-            "also checkpoint every N steps (default: 0, only at the end or when stopped)",
+            f"also checkpoint every N steps (default: {_D.save_every}, only at the end or "
+            "when stopped)",
         ),
     ],
 }
@@ -148,124 +129,180 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- the run's config: flags, resumed run, checks -------------------------------------------
 
 
-def resolve(args: argparse.Namespace, world: int) -> dict[str, Any]:
-    """Every setting of the run, checked. Raises ``UsageError``; writes nothing."""
+def resolve(args: argparse.Namespace, world: int, local: int | None = None) -> RunConfig:
+    """Every setting of the run, checked. Raises ``UsageError``; writes nothing.
+
+    ``local``: the processes on this node, who share its memory (default:
+    ``world``). Notes and warnings are printed once every check has passed,
+    so that a refusal is one line.
+    """
     import torch
 
     from shardwise import __version__
 
     from ..data import DataError, check_data_path
-    from ..models.gpt import SIZES
     from . import finetune
 
-    given = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None}
-    resumed: dict[str, Any] = {}
+    if args.out is not None:  # before a resume's checkpoint is verified: minutes for a large one
+        check_writable(Path(args.out).resolve(), f"--out {args.out}")
+    given = {k: getattr(args, k) for k in TrainingFlags.names() if getattr(args, k) is not None}
+    resumed: RunConfig | None = None
     ckpt: Path | None = None
     if args.resume:
         ckpt, resumed = find_checkpoint(args.resume, "--resume")
     ckpt_step = _step_of(ckpt) if ckpt else 0
-    if ckpt:
+    if resumed:
         for k in ("model", "seq_len"):
-            if k in given and given[k] != resumed.get(k):
+            if k in given and given[k] != getattr(resumed, k):
                 raise UsageError(
-                    f"--resume {args.resume}: the checkpoint is of model {resumed.get('model')!r} "
-                    f"with seq_len {resumed.get('seq_len')}; --{k.replace('_', '-')} {given[k]} "
+                    f"--resume {args.resume}: the checkpoint is of model {resumed.model!r} "
+                    f"with seq_len {resumed.seq_len}; --{k.replace('_', '-')} {given[k]} "
                     "does not match it"
                 )
-    c = {k: given.get(k, resumed.get(k, v)) for k, v in DEFAULTS.items()}
-    if ckpt:  # (resolve runs once: in our launcher, or on rank 0 under torchrun)
-        for k in ("steps", "batch_size", "grad_accum", "lr", "warmup"):
-            if k in given and resumed.get(k) is not None and given[k] != resumed[k]:
-                # Allowed (a longer run, say), but the curve is no longer the
-                # uninterrupted run's: say so rather than change it quietly.
-                print(
-                    f"note: --{k.replace('_', '-')} {given[k]} differs from the resumed run's "
-                    f"{resumed[k]}: from step {ckpt_step} on the run follows {given[k]}"
-                    + (" (the learning-rate schedule too)" if k in ("steps", "warmup") else ""),
-                    file=sys.stderr,
-                )
-    model_config = finetune.resolve(c, given, resumed, args.resume)
-    if model_config is None:  # the built-in GPT
-        model_cfg = SIZES[c["model"]].with_seq_len(c["seq_len"])
-        c["seq_len"] = model_cfg.seq_len
-        model_config = asdict(model_cfg)
-        if resumed and resumed.get("model_config") != model_config:
-            raise UsageError(
-                f"--resume {args.resume}: the checkpoint's model shape "
-                f"{resumed.get('model_config')} differs from {c['model']!r} here"
-            )
-    if c["lr"] is None:
-        c["lr"] = PEAK_LR[c["model"]]
-    if c["warmup"] is None:
-        c["warmup"] = min(100, c["steps"] // 10)
-    for k in ("steps", "batch_size", "seq_len", "grad_accum", "hsdp", "eval_every", "eval_batches"):
-        if c[k] < 1:
-            raise UsageError(f"--{k.replace('_', '-')} must be at least 1, got {c[k]}")
-    for k in ("warmup", "save_every"):
-        if c[k] < 0:
-            raise UsageError(f"--{k.replace('_', '-')} must be at least 0, got {c[k]}")
-    # A negative clip reverses the gradients and nan or inf poison every
-    # weight: each trains quietly into garbage, so refuse them here.
-    if not (math.isfinite(c["lr"]) and c["lr"] > 0):
-        raise UsageError(f"--lr must be a positive number, got {c['lr']}")
-    if not (math.isfinite(c["grad_clip"]) and c["grad_clip"] >= 0):
-        raise UsageError(
-            f"--grad-clip must be a number at least 0 (0: no clipping), got {c['grad_clip']}"
-        )
-    if world % c["hsdp"]:
-        raise UsageError(f"--hsdp {c['hsdp']} does not divide the {world} processes")
-    if c["batch_size"] % (world * c["grad_accum"]):
-        raise UsageError(
-            f"--batch-size {c['batch_size']} is not divisible by {world} processes "
-            f"x --grad-accum {c['grad_accum']}"
-        )
-    if ckpt_step >= c["steps"]:
-        raise UsageError(
-            f"--resume {args.resume}: the checkpoint is at step {ckpt_step}, "
-            f"--steps is {c['steps']}: nothing left to do (raise --steps)"
-        )
+    c = replace(resumed.flags() if resumed else TrainingFlags(), **given)
+    if ckpt_step >= c.steps:
+        raise UsageError(_nothing_left(args.resume, ckpt_step, c.steps, "steps" in given))
+    fine_tune = finetune.resolve(c, given, resumed, args.resume)
+    if fine_tune is None:
+        model_config, hf_weights = _gpt_shape(c, resumed, args.resume), None
+    else:
+        model_config, hf_weights = fine_tune
+    if c.lr is None:
+        c.lr = PEAK_LR[c.model]
+    if c.warmup is None:
+        c.warmup = min(100, c.steps // 10)
+    _check_numbers(c, world)
     try:  # (tokenized under the run's lock: cli/corpus.py)
-        check_data_path(c["data"])
+        check_data_path(c.data)
     except DataError as e:
         raise UsageError(str(e)) from None
-    if c["data"] is not None:
-        c["data"] = str(Path(c["data"]).resolve())
+    if c.data is not None:
+        c.data = str(Path(c.data).resolve())
 
     run = ckpt.parent.parent if ckpt else None
     out = _out_folder(args, resumed_run=run)
-    return {
-        **c,
-        "model_config": model_config,
-        "world_size": world,
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "out": str(out),
-        "resume": str(ckpt.resolve()) if ckpt else None,
-        "resume_step": ckpt_step,
-        "resumed_metrics": str(run.resolve() / "metrics.jsonl") if run else None,
-        "corpus": None,  # prepare_corpus fills it in, under the lock
-        "torch_version": torch.__version__,
-        "shardwise_version": __version__,
-    }
+    config = RunConfig(
+        **vars(c),
+        hf_weights=hf_weights,
+        model_config=model_config,
+        world_size=world,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        out=str(out),
+        resume=str(ckpt.resolve()) if ckpt else None,
+        resume_step=ckpt_step,
+        resumed_metrics=str(run.resolve() / "metrics.jsonl") if run else None,
+        corpus=None,  # prepare_corpus fills it in, under the lock
+        torch_version=torch.__version__,
+        shardwise_version=__version__,
+    )
+    said = _differences(given, resumed, ckpt_step) if resumed else []
+    warning = _memory_warning(config, world if local is None else local)
+    for line in [*said, warning] if warning else said:
+        print(line, file=sys.stderr)
+    return config
+
+
+def _gpt_shape(c: TrainingFlags, resumed: RunConfig | None, resume_arg: str | None) -> dict:
+    """The built-in GPT's shape for the run (``c.seq_len`` completed); refuses a new run's
+    sequence longer than the size's context, and a resume of another shape."""
+    from ..models.gpt import SIZES
+
+    size = SIZES[c.model]
+    if resumed is None and c.seq_len is not None:
+        check_seq_len(c.seq_len, size.seq_len, "bytes", f" for --model {c.model}")
+    shape = size.with_seq_len(c.seq_len)
+    c.seq_len = shape.seq_len
+    model_config = asdict(shape)
+    if resumed and resumed.model_config != model_config:
+        raise UsageError(
+            f"--resume {resume_arg}: the checkpoint's model shape "
+            f"{resumed.model_config} differs from {c.model!r} here"
+        )
+    return model_config
+
+
+def _check_numbers(c: TrainingFlags, world: int) -> None:
+    for k in ("steps", "batch_size", "seq_len", "grad_accum", "hsdp", "eval_every", "eval_batches"):
+        if getattr(c, k) < 1:
+            raise UsageError(f"--{k.replace('_', '-')} must be at least 1, got {getattr(c, k)}")
+    for k in ("warmup", "save_every"):
+        if getattr(c, k) < 0:
+            raise UsageError(f"--{k.replace('_', '-')} must be at least 0, got {getattr(c, k)}")
+    # A negative clip reverses the gradients and nan or inf poison every
+    # weight: each trains quietly into garbage, so refuse them here.
+    if not (c.lr is not None and math.isfinite(c.lr) and c.lr > 0):
+        raise UsageError(f"--lr must be a positive number, got {c.lr}")
+    if not (math.isfinite(c.grad_clip) and c.grad_clip >= 0):
+        raise UsageError(
+            f"--grad-clip must be a number at least 0 (0: no clipping), got {c.grad_clip}"
+        )
+    if world % c.hsdp:
+        raise UsageError(f"--hsdp {c.hsdp} does not divide the {world} processes")
+    if c.batch_size % (world * c.grad_accum):
+        raise UsageError(
+            f"--batch-size {c.batch_size} is not divisible by {world} processes "
+            f"x --grad-accum {c.grad_accum}"
+        )
+
+
+def _nothing_left(resume_arg: str, at: int, steps: int, given: bool) -> str:
+    """A resume with no step to take: where the run is, and what would train on."""
+    where = f"past --steps {steps}" if given else f"past its --steps {steps}"
+    if at == steps:
+        where = f"its last (--steps {steps})"
+    return (
+        f"--resume {resume_arg}: the run is already at step {at}, {where}; "
+        "pass a larger --steps to train further"
+    )
+
+
+def _differences(given: dict[str, Any], resumed: RunConfig, at: int) -> list[str]:
+    """A note for each schedule flag given that differs from the resumed run's: allowed
+    (a longer run, say), but the curve is no longer the uninterrupted run's."""
+    notes = []
+    for k in ("steps", "batch_size", "grad_accum", "lr", "warmup"):
+        then = getattr(resumed, k)
+        if k in given and then is not None and given[k] != then:
+            notes.append(
+                f"note: --{k.replace('_', '-')} {given[k]} differs from the resumed run's "
+                f"{then}: from step {at} on the run follows {given[k]}"
+                + (" (the learning-rate schedule too)" if k in ("steps", "warmup") else "")
+            )
+    return notes
+
+
+def _memory_warning(config: RunConfig, local: int) -> str | None:
+    shape = Shape.of(config.model_config, hf=config.hf is not None)
+    if shape is None:
+        return None
+    return memory_warning(
+        shape,
+        config.micro_batch,
+        config.seq_len,
+        config.activation_checkpointing,
+        bf16=config.mixed_precision == "bf16",
+        memory=memory_per_process(config.device, local),
+        device=config.device,
+        local_processes=local,
+        unit="tokens" if config.hf else "bytes",
+    )
 
 
 def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
     if args.out is None and resumed_run is not None:
-        return resumed_run.resolve()
+        out = resumed_run.resolve()
+        check_writable(out, f"--resume {args.resume}: the run folder {out}")
+        return out
     if args.out is None:
         base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         out, n = base, 1
         while out.exists():
             out, n = base.with_name(f"{base.name}-{n}"), n + 1
+        check_writable(out.resolve(), f"the run folder {out} (the default; or give --out DIR)")
         return out.resolve()
     out = Path(args.out).resolve()
+    check_writable(out, f"--out {args.out}")
     continuing = resumed_run is not None and out == resumed_run.resolve()
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out}: exists and is not a folder")
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"--out {args.out}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {args.out}: cannot write in {existing} (permission denied)")
     if out.is_dir() and not holds_only_the_lock(out) and not continuing:
         raise UsageError(
             f"--out {args.out}: the folder already holds files; choose a new "
@@ -274,19 +311,20 @@ def _out_folder(args: argparse.Namespace, resumed_run: Path | None) -> Path:
     return out
 
 
-def for_restart(config: dict[str, Any], out: Path) -> tuple[dict[str, Any], Path | None]:
+def for_restart(config: RunConfig, out: Path) -> tuple[RunConfig, Path | None]:
     """The config that continues ``config``'s run from the newest good checkpoint in ``out``,
     and that checkpoint; with none there yet, the run as it began, and ``None``."""
     try:
         ckpt, _ = find_checkpoint(str(out), "--resume")
     except UsageError:
         return config, None
-    resume = {
-        "resume": str(ckpt.resolve()),
-        "resume_step": _step_of(ckpt),
-        "resumed_metrics": str(out / "metrics.jsonl"),
-    }
-    return {**config, **resume}, ckpt
+    restart = replace(
+        config,
+        resume=str(ckpt.resolve()),
+        resume_step=_step_of(ckpt),
+        resumed_metrics=str(out / "metrics.jsonl"),
+    )
+    return restart, ckpt
 
 
 def newest_saved(out: Path) -> Path | None:
@@ -296,10 +334,10 @@ def newest_saved(out: Path) -> Path | None:
     return max((c for c in complete if _STEP.fullmatch(c.name)), key=_step_of, default=None)
 
 
-def is_new_run(config: dict[str, Any]) -> bool:
+def is_new_run(config: RunConfig) -> bool:
     """Whether ``--out`` is a new folder, not the resumed run's own."""
-    resumed = config["resumed_metrics"]
-    return resumed is None or Path(resumed).parent != Path(config["out"])
+    resumed = config.resumed_metrics
+    return resumed is None or Path(resumed).parent != Path(config.out)
 
 
 def _step_of(ckpt: Path) -> int:
