@@ -82,7 +82,7 @@ def _alloc(addr: int, size: int, *frames: tuple[str, str], label: str = "") -> d
         "addr": addr,
         "size": size,
         "frames": [{"filename": f, "name": n, "line": 1} for f, n in frames],
-        "user_metadata": label,  # shardwise.trace.label's scope
+        "user_metadata": label,  # the scope of a shardwise.observe label
     }
 
 
@@ -425,7 +425,7 @@ def labelled_step_worker(rank: int, world: int) -> dict[str, list[int]]:
     from torch.distributed.tensor import Shard
 
     from shardwise import fully_shard
-    from shardwise.trace import PREFIX
+    from shardwise.observe import PREFIX
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
@@ -449,10 +449,10 @@ def labelled_step_worker(rank: int, world: int) -> dict[str, list[int]]:
 
 @pytest.mark.timeout(180)
 def test_runtime_labels_attribute_memory_by_what_it_does() -> None:
-    """The runtime labels its scopes for the profiler (``shardwise.trace.label``), and
+    """The runtime labels its scopes for the profiler (``shardwise.observe.LABELS``), and
     memory.py attributes what they allocate by those labels, not by file names."""
     from dist_utils import run_distributed
-    from shardwise.trace import PREFIX
+    from shardwise.observe import PREFIX
 
     per_rank = run_distributed(labelled_step_worker, 4, timeout=150)
     for found in per_rank:
@@ -469,6 +469,6 @@ def test_runtime_labels_attribute_memory_by_what_it_does() -> None:
             assert nbytes > 0, f"{name}: {count} scopes allocated nothing"
             assert memory.classify([], "forward", PREFIX + name) == part, name
     # Outside a profiler the scopes are not opened at all.
-    from shardwise.trace import _NO_LABEL, label
+    from shardwise.labels import _NO_LABEL, label
 
     assert label("gather") is _NO_LABEL

@@ -200,7 +200,7 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
             return loss.detach()
 
         # What shardwise's all-gathers move per step (the timeline's bytes).
-        from shardwise.collectives import add_observer
+        from shardwise.observe import add_collective_observer
 
         gathered_bytes = [0]
 
@@ -208,7 +208,7 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
             if rec.kind == "all_gather":
                 gathered_bytes[0] += rec.nbytes
 
-        remove = add_observer(count)
+        remove = add_collective_observer(count)
         times = []
         for i in range(job.warmup + job.steps):
             idx = batch()

@@ -13,7 +13,7 @@ accounting, taken on one extra, untimed step after the timed ones:
   Replaying the record finds the moment the allocated total peaks, and each
   block live then is put under what allocated it: a gradient, parameter or
   optimizer-state storage by identity with the tensors above; otherwise by
-  the label shardwise's runtime gave it (``shardwise.trace.label``: gathered
+  the label shardwise's runtime gave it (``shardwise.observe.LABELS``: gathered
   parameters or communication buffers), by stack (FSDP2's gather code and
   collectives, activation recomputation) and else by phase (allocated in forward: activations; in
   backward: backward temporaries). What was allocated before the step and is
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from shardwise.trace import LABELS, PREFIX, memory_labels
+from shardwise.observe import LABELS, PREFIX, memory_labels
 
 # Attributed parts on CUDA, in the order the tables print them.
 CUDA_PARTS = (
@@ -52,7 +52,7 @@ MARK = "memory_mark"  # the function whose allocations delimit phases in the rec
 PHASES = ("forward", "backward", "step")
 MAX_ENTRIES = 2_000_000  # far above one step at 7B; a full ring buffer is reported
 
-# shardwise labels its own allocations (``shardwise.trace.label``: the CUDA
+# shardwise labels its own allocations (``shardwise.observe.LABELS``: the CUDA
 # allocator's record carries the label as each allocation's ``user_metadata``):
 # the gathered parameters' storage, and what backward gathers from after
 # forward, are gathered parameters; every other label is a communication

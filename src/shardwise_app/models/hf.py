@@ -32,8 +32,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardwise.sharded_param import rows_per_rank
-
 from ..extras import first_missing
 
 EXTRA = ("transformers", "peft", "safetensors")
@@ -345,7 +343,9 @@ def _rows(p: torch.Tensor) -> tuple[int, int]:
     if placements[-1] != Shard(0) or any(pl != Replicate() for pl in placements[:-1]):
         raise NotImplementedError(f"loading a parameter placed {placements} (tensor parallel?)")
     world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    chunk = rows_per_rank(p.shape[0], world)
+    # Shard(0) splits as torch.chunk does: ceil(rows / world) rows for each
+    # rank, the last ones shorter or empty.
+    chunk = -(-p.shape[0] // world)
     start = min(rank * chunk, p.shape[0])
     return start, start + p.to_local().shape[0]
 
