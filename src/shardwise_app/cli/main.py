@@ -14,12 +14,9 @@ import importlib
 import signal
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
 
 from ..extras import CLI, CLI_INSTALL, first_missing
-from .common import EXIT_USAGE, Launch, UsageError, check_nproc, in_worker, interrupt, usable_cpus
-from .process_group import init_worker
+from .common import EXIT_USAGE, UsageError, in_worker, interrupt
 from .worker import keep_going_without_stdout, run_to_end
 
 COMMANDS = {
@@ -42,20 +39,6 @@ COMMANDS = {
         "measure this machine's rates for shardwise plan --rates FILE",
     ),
 }
-
-# What cli/plan*.py take from here; the rest of the application imports them
-# from common.py and process_group.py, where they live.
-__all__ = [
-    "Launch",
-    "UsageError",
-    "check_nproc",
-    "in_worker",
-    "init_worker",
-    "launch",
-    "main",
-    "run_as_module",
-    "usable_cpus",
-]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,15 +99,6 @@ def _usage() -> str:
     lines += [f"  {name:<11}{help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'shardwise COMMAND --help' for a command's flags."]
     return "\n".join(lines)
-
-
-def launch(
-    command: str, worker_args: dict[str, Any], where: Launch, on_signal: Callable[[str, int], int]
-) -> int:
-    """Start this node's workers and watch them to the end (``launcher.launch``)."""
-    from .launcher import launch as start_and_watch
-
-    return start_and_watch(command, worker_args, where, on_signal)
 
 
 def run_as_module() -> None:
