@@ -52,8 +52,8 @@ def _best(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> f
 
 
 def _median(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    """The middle of ``repeats`` timings: for a cost whose spread is the machine's
-    (gloo's threads on shared cores), where the best is a round seldom repeated."""
+    """The middle of ``repeats`` timings: for a cost a step pays again and again (a
+    collective's latency), where the best is a round seldom repeated."""
     fn()
     sync()
     times = []

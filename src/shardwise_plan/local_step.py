@@ -3,10 +3,9 @@
 Why: on a CPU the operators and all the Python between them (the modules'
 calls, autograd's engine, the runtime's hooks, DTensor's dispatch in the
 optimizer) run on the one core a rank has, one after another, so a step
-costs both. Timing each operator alone (op_costs.py) sees only the first:
-on the tiny GPT at 2 gloo ranks the operators were about 80% of the step
-less its communication (2026-12-02). The Python is hard to predict and
-easy to run: the real runtime trains the model with real tensors under
+costs both. Timing each operator alone (op_costs.py) sees only the first,
+and on a small model the second is a good part of the step. The Python is
+hard to predict and easy to run: the real runtime trains the model with real tensors under
 torch's fake process group, which makes this process rank 0 of the world
 and completes every collective locally (its copies are the bytes a real
 collective lands here; the wire and the peers are what the timeline adds).
@@ -14,8 +13,8 @@ What is left after the operators is the host's time, and the plan spreads
 it over them (plan.py). The fake backend's local copies land each gather's
 bytes once more than the timeline's ``bytes / bandwidth`` (calibrated on a
 real gloo gather, which lands them too) accounts for: counted twice, at most
-the bandwidth term, small next to gloo's latency per tensor on the CPU rows
-measured (2026-12-02: the tiny GPT gathers about 0.2 MB a module).
+the bandwidth term, small next to gloo's latency per tensor at the sizes a
+CPU trains.
 
 Only for a CPU target on a CPU (a GPU's host runs ahead of its kernels, so
 its Python is hidden there unless the step is host-bound, which the rates
@@ -46,9 +45,8 @@ from .world import fake_world, mesh
 
 WARM_STEPS = 2  # the optimizer state, the recorded orders, caches
 TIMED_STEPS = 9
-# As a measured run times its steps: two untimed (the first makes AdamW's state),
-# the median of seven. Fewer drew the 6.45B GPT's host step from its first,
-# slowest steps (5 after 1: 3.9, 4.0, 3.6, 3.1, 3.0 s, the H200's host, 2026-12-03).
+# As a measured run times its steps: two untimed (the first makes the optimizer's
+# state), the median of seven; a large model's first host steps are its slowest.
 HOST_WARM_STEPS = 2
 HOST_TIMED_STEPS = 7
 HOST_MAX_BYTES = 32 * 2**30  # what stepping the host's optimizer for real may take here
@@ -153,15 +151,13 @@ def host_optimizer_seconds(
     layouts: list[Layout], max_bytes: int | None = None, optimizer: str = DEFAULT
 ) -> HostStep:
     """The offloaded optimizer's step over this rank's shards (``layouts``), run for real
-    on this host: torch's for-loop AdamW, as the offloaded run makes it, on DTensors
-    under a one-rank fake group, so DTensor's dispatch is in it.
+    on this host: the ``optimizer`` named (optimizers.py), as the offloaded run makes
+    it, on DTensors under a one-rank fake group, so DTensor's dispatch is in it.
 
     Why the whole step and not its operators one by one (op_costs.py): each distinct
     operator is timed in a burst of well under a second, and the host's speed moves
-    between bursts; summed, the 0.94B GPT's host operators moved by 25% between two
-    passes in one process where the whole step moved by 3% (2026-12-03, the H200's
-    host, docs/bench/probes/host_cache_probe.py). Timed whole, it averages the host's
-    speed as a real step does.
+    between bursts, far more than a whole step's time moves between steps. Timed
+    whole, it averages the host's speed as a real step does.
     Where this rank's shards, their gradients and two moments would take more than
     ``max_bytes`` (default: 32 GiB or a quarter of the memory free here), a share of
     each layout is stepped and the time scaled by the elements."""

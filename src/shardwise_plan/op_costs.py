@@ -4,9 +4,8 @@ Why measured and not only rates: a roofline of one matmul rate and one
 memory bandwidth is right for large kernels on a GPU, and wrong wherever
 the cost of an operator is not its FLOPs or bytes: on a CPU a GELU or a
 softmax runs at a fraction of an add's bandwidth, a bf16 product without
-native bf16 runs 0.7 to 5.6 GFLOP/s by its operands' layout, and small
-operators cost their dispatch (2026-12-02, the development machine: the
-rates model was 35-50% off there on fp32 and bf16 steps alike). When the
+native bf16 runs at rates several times apart by its operands' layout, and
+small operators cost their dispatch. When the
 device the plan is for is the device here, each operator the simulation
 recorded can simply be run: its shapes, strides and dtypes are known, and
 the values do not matter to its time.

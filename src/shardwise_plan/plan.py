@@ -51,10 +51,9 @@ class Plan:
     # peak lies between two ends by which of gloo's buffers are live when it peaks
     # (timeline.staging_live): ``peak_bytes_in_step``, ranks in step, each gathered
     # tensor's buffer freed as it runs, and ``peak_bytes_drifting``, ranks drifting
-    # apart, gloo's threads holding the largest two to the wait, which no launch
-    # measured more than 0.6 MiB over (2026-12-04, docs/scaling.md). ``peak_bytes``
-    # is their middle, within half the range of any launch between them. Equal
-    # elsewhere.
+    # apart, gloo's threads holding the largest two to the wait (docs/scaling.md
+    # has how far measured launches fall from each). ``peak_bytes`` is their middle,
+    # within half the range of any launch between them. Equal elsewhere.
     peak_bytes: int
     peak_bytes_in_step: int
     peak_bytes_drifting: int
@@ -188,10 +187,9 @@ def plan(
         # An offloaded optimizer's operators run on the host, whatever the target:
         # at one rank, timed on this machine's CPU with this process's threads, as
         # the median of five, and for a GPU target then scaled to the whole step
-        # run for real (below). Warm caches do not flatter them: emptying the
-        # host's caches before each repeat left the 0.94B GPT's sum where it was
-        # (host_cache_probe.py, 2026-12-03). With more ranks, several share a
-        # host's cores and memory: the rate stays, calibrated with every rank at once.
+        # run for real (below); the median, because the host's speed moves between
+        # repeats. With more ranks, several share a host's cores and memory: the
+        # rate stays, calibrated with every rank at once.
         costs = measure([e.call for e in ops if not e.host], hardware.device)
         host_calls = [e.call for e in ops if e.host] if world_size == 1 else []
         host_costs = measure(host_calls, "cpu", repeats=5, median=True)

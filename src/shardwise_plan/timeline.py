@@ -189,10 +189,9 @@ def staging_live(events: list[Event], in_step: bool = False) -> list[int]:
     drift apart (the default) keep gathers in flight up to the wait: then the
     largest ``GLOO_THREADS`` tensors of the gathers issued and not yet waited
     for (at the issue itself, no less than in step). A launch lies between the
-    two by which tensors are in flight when it peaks: the checkpointed small GPT
-    at 4 gloo ranks measured from its in-step figure to 4.5 MiB over it in 30
-    runs, two of its MLP's 2.25 MiB matrices (2026-12-04, docs/scaling.md),
-    where holding a module's every buffer to the wait said 6.75."""
+    two by which tensors are in flight when it peaks (docs/scaling.md has the
+    measured launches: holding a module's every buffer to the wait was past
+    all of them)."""
     extra = [0] * len(events)
     waited: dict[int, int] = {}
     for i, e in enumerate(events):

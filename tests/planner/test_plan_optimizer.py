@@ -30,7 +30,6 @@ DEEP = ["--model", "plan_models:deep_narrow", "--seq-len", "16", "--batch-size",
 
 def _plans() -> dict[str, Any]:
     from plan_models import deep_narrow
-
     from shardwise_plan import CPU, H200, Policy, plan
 
     out: dict[str, Any] = {}
