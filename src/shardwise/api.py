@@ -18,13 +18,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from . import collectives, extensions
+from . import collectives
+from .extensions import Extension, has_hooks
 from .fsdp_module import FSDPModule
 from .module import ModuleState, outside_compile
 from .offload import OffloadPolicy, check_offload_policy
 from .param_group import ParamGroup
 from .precision import MixedPrecisionPolicy
 from .settings import GroupSettings
+from .sharded_param import rows_per_rank
 from .tensor_parallel import TPLayout, compose_spmd, compose_tp, spmd_mesh
 
 # Original parameter objects already taken by some fully_shard call: a second
@@ -153,7 +155,7 @@ def fully_shard(
             compose_spmd(fqn, p, spmd, dims[i] if dims else 0)
             for i, (fqn, p, _) in enumerate(named)
         ]
-    extensions.check(named, dims or [0] * len(named), offload, post_forward_size, mesh)
+    _check_self_gathering(named, dims or [0] * len(named), offload, post_forward_size, mesh)
 
     if check is None:
         check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
@@ -191,6 +193,45 @@ def fully_shard(
             )
         m.__class__ = _subclass_cache[cls]
     return module
+
+
+def _check_self_gathering(
+    named: list[Any], dims: list[int], offload: Any, post_forward_size: int, mesh: Any
+) -> None:
+    """Refuse, before anything changes, what parameters that gather themselves
+    (extensions.py) cannot be combined with yet."""
+    world = mesh.size(mesh.ndim - 1)
+    hooked = []
+    for fqn, p, _ in named:
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if has_hooks(local):
+            hooked.append((fqn, p))
+    for fqn, p in hooked:
+        rows = p.shape[0]
+        chunk = rows_per_rank(rows, world)
+        split = next((d for d in dims if d != 0), 0)  # any parameter of the group
+        why = (
+            "tensor parallelism"
+            if isinstance(p, DTensor)
+            else "CPU offload"
+            if offload is not None
+            else "reshard_after_forward=<int>"
+            if post_forward_size
+            else f"Shard({split}) from shard_placement_fn in the same fully_shard call"
+            if split
+            else "an HSDP mesh without mesh_dim_names"
+            if mesh.ndim == 2 and not mesh.mesh_dim_names
+            else f"{rows} rows over {world} ranks, which leaves the last rank(s) no rows"
+            if (world - 1) * chunk >= rows and world > 1
+            else None
+        )
+        if why is None:
+            Extension(fqn, p)  # checks that it can be rebuilt around a shard
+        else:
+            raise ValueError(
+                f"parameter {fqn!r} is a {type(p).__name__} that gathers itself "
+                f"(fsdp_pre_all_gather); shardwise does not combine that with {why} yet"
+            )
 
 
 def _as_modules(module: Any) -> list[nn.Module]:
@@ -333,7 +374,7 @@ def _owned_params(
     would keep ``found`` (every original parameter, on the GPU the whole
     unsharded module) alive after ``fully_shard`` until the garbage collector
     happens to run, so the device memory of later steps would depend on when
-    that is (tests/test_no_cycles.py).
+    that is (tests/library/test_no_cycles.py).
     """
     found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     sharded: set[int] | None = None  # ids of live sharded DTensors, once a DTensor shows up

@@ -7,23 +7,19 @@ module whose backward is over) surfaced only as an optimizer error far downstrea
 ("sharded gradients must be either all set or all None"); with checks on, the
 backward that leaves a module gathered raises ``LifecycleError`` naming it.
 
-Checks at every forward entry (the root's pre-forward) and at the end of every
-backward (the autograd final callback, before the runtime's own clean-up).
+Checks at every forward entry (the root's pre-forward, module.py) and at the end
+of every backward (the autograd final callback, root.py, before the runtime's
+own clean-up). They read the root's context and its modules' lifecycles and
+change nothing.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .context import LifecycleError, Phase
+from .context import FSDPContext, LifecycleError, ModuleLifecycle, Phase
 from .param_group import GroupState
 
-if TYPE_CHECKING:
-    from .context import FSDPContext
-    from .module import ModuleState
 
-
-def _fail(ctx: FSDPContext, s: ModuleState, what: str) -> LifecycleError:
+def _fail(ctx: FSDPContext, s: ModuleLifecycle, what: str) -> LifecycleError:
     params = [sp.fqn for sp in s.group.params] if s.group is not None else []
     events = "\n  ".join(list(ctx.events)[-10:]) or "(none)"
     return LifecycleError(

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from . import collectives
 from .flat_shard import local_of
-from .optimizer_in_backward import MARK
+from .step_in_backward import MARK
 
 
 def _copies(g: torch.Tensor, world: int) -> int:

@@ -168,12 +168,12 @@ def all_gather_each(
     Why: a group's parameters are gathered straight into their own storage
     (each output is one parameter, rank-major = param-major along dim 0), so
     no copy-out follows on the compute stream. NCCL runs the grouped
-    gathers as one launch, as fast as one gather of them all end to end
-    (measured: docs/benchmarks.md, 2026-12-01, e1fe501). gloo is the other way round:
-    its grouped gathers flatten into temporary buffers and copy out, and its
-    separate gathers, all in flight at once, run on its several threads and
-    were twice as fast as one flat gather (measured there too), so on the CPU
-    each parameter gets its own. Observers see one gather.
+    gathers as one launch, about as fast as one gather of them all end to end
+    (docs/benchmarks.md). gloo is the other way round: its grouped gathers
+    flatten into temporary buffers and copy out, while its separate gathers,
+    all in flight at once, run on its several threads and were faster than one
+    flat gather, so on the CPU each parameter gets its own. Observers see one
+    gather.
     """
     if not outputs:  # a group of empty parameters
         return Pending(None, label=label, kind="all_gather")
@@ -277,25 +277,6 @@ def all_reduce(
 # call to it is made anywhere else (tests/library/test_layers.py checks).
 
 
-@contextlib.contextmanager
-def fake_world(world: int) -> Iterator[None]:
-    """This process as rank 0 of ``world`` ranks on torch's fake backend (a simulation
-    of a step at ``world`` ranks in one process): every collective returns at once
-    and moves nothing."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "fake_world runs its own fake process group: call it where torch.distributed "
-            "is not initialized (a process of its own)"
-        )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -367,6 +348,16 @@ def broadcast(tensor: torch.Tensor, label: str = "") -> None:
 # ---- where communication buffers come from ----------------------------------------------
 
 Allocator = Callable[[int, torch.dtype], torch.Tensor]
+
+
+def comm_buffer(
+    alloc: Allocator | None, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A gather output or reduction buffer: from ``alloc`` (the process group's own
+    memory, symmetric memory) or, None, from the caching allocator on ``device``."""
+    if alloc is not None:
+        return alloc(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def process_group_allocator(group: dist.ProcessGroup, device: torch.device) -> Allocator:

@@ -27,16 +27,18 @@ reduce-scatter only ever see TP-local tensors, over the dp group. ``TPLayout``
 (dp, tp) mesh, and wraps the gathered TP-local piece back into the DTensor the
 TP module expects.
 
-Why a file of its own: ``ParamGroup`` (param_group.py) runs a group's life
-(gather, attach, reshard, reduce); this base class says where every byte of
-it lives and builds or rebuilds that layout (construction, ``to_empty``,
-``load_state_dict(assign=True)``).
+Why an object of its own: ``ParamGroup`` (param_group.py) runs a group's life
+(gather, attach, reshard, reduce) and holds one ``FlatShard``, which says where
+every byte of it lives and builds or rebuilds that layout (construction,
+``to_empty``, ``load_state_dict(assign=True)``). The gather strategies and the
+reduction (gather.py, reduce.py) are given the layout: they read its views and
+fill its storage, and know no group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -46,11 +48,12 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from . import offload
-from .extensions import PackedGather
+from .extensions import Extension, has_hooks
+from .labels import label
 from .precision import resolve_dtypes
 from .settings import GroupSettings
 from .sharded_param import ShardedParam
-from .tensor_parallel import contiguous_stride
+from .tensor_parallel import TPLayout, contiguous_stride
 
 
 def local_of(t: Any) -> Any:
@@ -59,28 +62,70 @@ def local_of(t: Any) -> Any:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-class FlatShard:
-    """The memory layout of one group's parameters (the base of ``ParamGroup``)."""
+class InPlaceOperands(NamedTuple):
+    """The in-place gather's operands, one entry per non-empty parameter split along
+    dim 0: its gather output, this rank's slot in it, the shard it gathers from,
+    and the slot's size. The shards tile the flat shard in order, so the sizes
+    split an uploaded copy of it."""
 
-    # Set by ParamGroup.__init__ before the first _shard:
-    params: list[ShardedParam]
-    mesh: DeviceMesh
-    world: int
-    rank: int
-    device: torch.device  # where gathered parameters live
-    settings: GroupSettings  # mp_policy, offload_policy (settings.py)
-    orig_dtype: torch.dtype
-    label: str
-    compute_dtype: torch.dtype
-    ext_gather: PackedGather | None
-    shard_numel: int
-    # Built here:
+    outputs: list[torch.Tensor]
+    slots: list[torch.Tensor]
+    shards: list[torch.Tensor]
+    sizes: list[int]
+
+
+class FlatShard:
+    """The memory layout of one group's parameters (held by its ``ParamGroup``)."""
+
     flat: torch.Tensor  # this rank's shards, every parameter's slot end to end
     unsharded_flat: torch.Tensor  # the gathered parameters' storage (or the flat, aliased)
-    aliased: bool
-    _locals: list[torch.Tensor]
-    _copy_out: list[torch.Tensor]
-    _in_place: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]]
+    aliased: bool  # one rank in the parameters' own dtype: nothing to gather
+    shard_locals: list[torch.Tensor]  # each sharded parameter's local tensor, as built
+    copy_out: list[torch.Tensor]  # per parameter: its rank-major view of the unsharded storage
+    in_place: InPlaceOperands
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+        mesh: DeviceMesh,
+        device: torch.device,
+        settings: GroupSettings,
+        name: str,
+        tp: Sequence[TPLayout | None] | None = None,
+        dims: Sequence[int] | None = None,
+    ) -> None:
+        """``device``: where gathered parameters live (the shards too, unless
+        offloaded); ``settings``: the group's (its mixed-precision and offload
+        policies); ``name``: the group's label; ``tp[i]``: how tensor parallelism
+        split ``named[i]`` (None: a plain parameter); ``dims[i]``: the dimension
+        it is split along (default 0)."""
+        self.mesh = mesh
+        self.world = mesh.size(mesh.ndim - 1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.device = device
+        self.settings = settings
+        self.label = name
+        self.orig_dtype = named[0][1].dtype
+        # Derived from the policy and the shards' dtype (which model.to(dtype) changes).
+        self.compute_dtype, self.reduce_dtype = resolve_dtypes(settings.mp_policy, self.orig_dtype)
+        layouts = list(tp) if tp is not None else [None] * len(named)
+        self.has_tp = any(t is not None for t in layouts)
+        self.params: list[ShardedParam] = []
+        offset = 0
+        for i, ((fqn, p, locs), layout) in enumerate(zip(named, layouts)):
+            shape = local_of(p).shape if layout is not None else p.shape
+            dim = dims[i] if dims is not None else 0
+            sp = ShardedParam(
+                fqn, locs, shape, p.requires_grad, self.world, self.rank, offset, dim, layout
+            )
+            sp.index = len(self.params)
+            if layout is None and has_hooks(p):  # a subclass that gathers itself (extensions.py)
+                sp.ext = Extension(fqn, p)
+            self.params.append(sp)
+            offset += sp.slot
+        self.self_gathering = any(sp.ext is not None for sp in self.params)
+        self.shard_numel = offset
+        self._shard(named)
 
     def placements(self, sp: ShardedParam) -> tuple[Placement, ...]:
         """The sharded DTensor's placements: ``Shard(dim)``, replicated first under HSDP."""
@@ -112,7 +157,7 @@ class FlatShard:
         """A new flat shard on ``device`` holding ``rows[i]`` for parameter i (None: zeros),
         and new sharded ``nn.Parameter``s viewing it, installed in the modules."""
         self.flat = self._new_flat(device)
-        self._locals: list[torch.Tensor] = []
+        self.shard_locals = []
         for sp, r, grad in zip(self.params, rows, requires_grad):
             view = self._flat_view(sp)
             if r is not None and sp.local_numel:
@@ -127,7 +172,7 @@ class FlatShard:
             local = view if sp.ext is None else sp.ext.wrap(view)
             dt = DTensor(local, DTensorSpec(mesh, tuple(placements), meta), requires_grad=False)  # type: ignore[call-arg]
             sp.sharded = nn.Parameter(dt, requires_grad=grad)
-            self._locals.append(local_of(sp.sharded))
+            self.shard_locals.append(local_of(sp.sharded))
             sp.install(sp.sharded)
         self._make_unsharded_views(device)
 
@@ -204,7 +249,7 @@ class FlatShard:
             self.world == 1
             and self.compute_dtype == self.orig_dtype
             and self.settings.offload_policy is None
-            and self.ext_gather is None
+            and not self.self_gathering
         )
         # Where each parameter starts in the unsharded buffer. Parameters that
         # gather themselves (extensions.py) have their own outputs instead.
@@ -219,11 +264,11 @@ class FlatShard:
                 self.world * n, dtype=self.compute_dtype, device=device
             )
         storage = self.unsharded_flat.untyped_storage()
-        self._copy_out = []
+        self.copy_out = []
         for sp, start in zip(self.params, starts):
             if sp.ext is not None:
                 sp.ext.reset()  # its unsharded form is made by its first gather
-                self._copy_out.append(self.unsharded_flat[:0])
+                self.copy_out.append(self.unsharded_flat[:0])
                 continue
             sp.unsharded = torch.empty(0, dtype=self.compute_dtype, device=device).set_(
                 storage, start, sp.shape, contiguous_stride(sp.shape)
@@ -233,23 +278,19 @@ class FlatShard:
             # (Views of the flat buffer, not of the parameters: writing through them
             # must not bump the parameters' version counters, which autograd checks.)
             # Split along another dim: [before, world, piece, after], each rank's piece in place.
-            self._copy_out.append(
+            self.copy_out.append(
                 self.unsharded_flat[start : start + sp.slot * self.world].view(
                     (self.world, sp.slot)
                     if sp.dim == 0
                     else (sp.before, self.world, sp.chunk, sp.after)
                 )
             )
-        # The in-place gather's operands, per non-empty parameter: its output,
-        # this rank's slot in it, the shard it gathers from, and the slot's
-        # size. Where they are used (gathers_in_place) the shards tile the
-        # flat shard in order, so the sizes split an uploaded copy of it.
         parts = [
             (sp, c)
-            for sp, c in zip(self.params, self._copy_out)
+            for sp, c in zip(self.params, self.copy_out)
             if sp.slot and sp.ext is None and sp.dim == 0
         ]
-        self._in_place = (
+        self.in_place = InPlaceOperands(
             [c.view(-1) for _, c in parts],
             [c[self.rank] for _, c in parts],
             [self.flat[sp.offset : sp.offset + sp.slot] for sp, _ in parts],
@@ -286,11 +327,44 @@ class FlatShard:
                 self.settings.mp_policy, first.dtype
             )
         self.flat = self._new_flat(device)
-        self._locals = []
+        self.shard_locals = []
         for sp in self.params:
             view = self._flat_view(sp)
             view.copy_(local_of(sp.sharded))
             local = view if sp.ext is None else sp.ext.wrap(view)
             sp.sharded._local_tensor = local  # type: ignore[attr-defined]
-            self._locals.append(local)
+            self.shard_locals.append(local)
         self._make_unsharded_views(device)
+
+    # ---- the unsharded storage ----------------------------------------------------------
+
+    def allocate_unsharded(self) -> None:
+        """Give the unsharded parameters their storage back (a gather fills it)."""
+        with label("unsharded"):
+            self.unsharded_flat.untyped_storage().resize_(
+                self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+            )
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        """Bytes of unsharded storage held now (none when aliased: it is the shards)."""
+        held = sum(sp.ext.nbytes for sp in self.params if sp.ext is not None)
+        if self.aliased:
+            return held
+        return self.unsharded_flat.untyped_storage().nbytes() + held
+
+    def part_for(self, n: int) -> torch.Tensor:
+        """The rank-major gather input for a group of ``n`` ranks (``reshard_after_forward=n``):
+        the pieces of ``world / n`` consecutive ranks, so that gathering it over the n
+        ranks of the group (in their order) yields every rank's piece in rank order.
+        Read from the gathered parameters: call it while they are unsharded."""
+        per = self.world // n
+        start = (self.rank % n) * per
+        parts = []
+        for sp, out in zip(self.params, self.copy_out):
+            if sp.dim == 0:
+                parts.append(out[start : start + per])
+            else:
+                parts.append(out.transpose(0, 1)[start : start + per].reshape(per, sp.slot))
+        with label("post-forward part"):
+            return torch.cat(parts, dim=1).view(-1)

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from . import collectives
+from . import collectives, root
 from .context import FSDPContext, Phase, RootSettings
 from .module import ModuleState
 from .param_group import ParamGroup
@@ -357,14 +357,14 @@ class FSDPModule(_TorchFSDPModule):
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward (FSDP2's name).
 
-        Drops a failed backward's reductions in flight (context.py's
+        Drops a failed backward's reductions in flight (root.py's
         ``abandon_backward`` says why), reshards every module and returns all
         of them to ``IDLE``, so the parameters are the sharded leaves again
         (an optimizer can be built on them) before the next forward.
         """
         ctx = self._shardwise_state.context
         if ctx is not None:
-            ctx.reset()
+            root.reset(ctx)
 
 
 def _refuse_the_rest() -> None:

@@ -15,28 +15,33 @@ The four hooks and what each one does to this module's ``ParamGroup``:
   parameters are all frozen has no ``_Unsharded`` to tell it; a pass-through
   function on its inputs (``_AfterInputGrads``) does, once their gradients exist.
 
+What a module does at its root's boundaries (a forward's start and end, the
+end of a backward) is root.py's, called from here; its phase is written only
+by its lifecycle (``ModuleLifecycle``, context.py), through ``ALLOWED``.
 docs/design.md draws this as a state machine.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from . import root
+from .check import check_forward_entry
 from .containers import map_tensors, tensors_in
-from .context import ALLOWED, ExecutionOrder, FSDPContext, LifecycleError, Phase, RootSettings
-from .param_group import Attachment, GroupState, ParamGroup, will_run
+from .context import ExecutionOrder, FSDPContext, ModuleLifecycle, Phase, RootSettings
+from .param_group import Attachment, GroupState, will_run
 from .precision import cast_floats
 from .settings import GroupSettings
 from .trace import active as active_trace
 
 
-class ModuleState:
-    """Everything ``fully_shard`` attached to one module."""
+class ModuleState(ModuleLifecycle):
+    """Everything ``fully_shard`` attached to one module: its lifecycle, and the hooks."""
 
     def __init__(
         self,
@@ -45,50 +50,29 @@ class ModuleState:
         label: str,
         check: bool = False,
     ) -> None:
-        # fully_shard([a, b]): one group for several modules, gathered when the
-        # first of them runs and resharded after the last (``_to_run``).
+        super().__init__(label, settings, check)
+        # fully_shard([a, b]): one group for several modules (``to_run``).
         self.modules = modules
-        self._to_run: set[int] = set()
-        self.check = check
-        self.label = label
-        self.settings = settings  # the group's too (settings.py)
-        self.group: ParamGroup | None = None
-        self.context: FSDPContext | None = None
-        self.phase = Phase.IDLE
-        self.order_index = -1
-        self.backward_done = False
-        self.fwd_targets: list[ModuleState] | None = None  # None: from the context's order
-        self.bwd_targets: list[ModuleState] | None = None
-        self.fwd_default: list[ModuleState] = []  # from the context's static order
-        self.bwd_default: list[ModuleState] = []
+        self.fwd_targets: list[ModuleLifecycle] | None = None  # None: from the context's order
+        self.bwd_targets: list[ModuleLifecycle] | None = None
+        self.fwd_default: list[ModuleLifecycle] = []  # from the context's static order
+        self.bwd_default: list[ModuleLifecycle] = []
         # Root settings made on this module before its root's context exists
         # (set_is_last_backward before the first forward, as FSDP2 allows):
         # applied, in order, when the context is made.
         self._for_root: list[Callable[[RootSettings], None]] = []
         # The root's submodules that hold its parameters, while they are sharded
         # between forwards: hooks that gather them for a call on its own
-        # (``_arm_parts``), and the part being called.
+        # (``_arm_parts``); the part being called is ``_part``.
         self._part_hooks: list[Any] = []
-        self._part: nn.Module | None = None
-
-    def __repr__(self) -> str:
-        return f"ModuleState({self.label!r}, phase={self.phase.name})"
 
     # ---- helpers ------------------------------------------------------------------------
-
-    def _set_phase(self, new: Phase) -> None:
-        if (self.phase, new) not in ALLOWED:
-            raise LifecycleError(
-                f"module {self.label!r}: phase {self.phase.name} -> {new.name} is not allowed; "
-                f"last events: {list(self.context.events)[-8:] if self.context else []}"
-            )
-        self.phase = new
 
     def _lazy_init(self) -> FSDPContext:
         """The first forward of an outermost sharded module makes it the root."""
         states: list[ModuleState] = []
-        for root in self.modules:
-            for name, m in root.named_modules():
+        for top in self.modules:
+            for name, m in top.named_modules():
                 s = getattr(m, "_shardwise_state", None)  # an FSDPModule
                 if s is None or any(s is t for t in states):
                     continue  # a group of several modules appears once, at its first
@@ -96,7 +80,8 @@ class ModuleState:
                 if s.group is not None:
                     s.group.label = s.label
                 states.append(s)
-        ctx = FSDPContext(self, states)
+        lifecycles: list[ModuleLifecycle] = list(states)
+        ctx = FSDPContext(self, lifecycles)
         for s in reversed(states):  # the root's own last: it wins
             for apply in s._for_root:
                 apply(ctx.settings)
@@ -104,7 +89,8 @@ class ModuleState:
         # The static orders' prefetch targets, computed once here (the hooks run
         # for every module, every step), as the recorded orders' are.
         depths = {id(s): s.settings.prefetch for s in states}
-        forward, backward = ExecutionOrder(states, depths), ExecutionOrder(states[::-1], depths)
+        forward = ExecutionOrder(lifecycles, depths)
+        backward = ExecutionOrder(lifecycles[::-1], depths)
         for i, s in enumerate(states):
             s.context = ctx
             if s.settings.reshard_after_forward_setting is None:
@@ -113,7 +99,7 @@ class ModuleState:
             s.bwd_default = backward.targets[len(states) - 1 - i]
         return ctx
 
-    def _gather(self, prefetch: list[ModuleState]) -> None:
+    def _gather(self, prefetch: Sequence[ModuleLifecycle]) -> None:
         """Issue our gather and wait for it, then issue the prefetches.
 
         Ours first: where a copy-out follows the gather, it frees the gather
@@ -154,11 +140,11 @@ class ModuleState:
         ctx = self.context or self._lazy_init()
         tracer = active_trace()
         if ctx.abandoned():
-            ctx.abandon_backward()
-        later = bool(self._to_run) and ctx.phase is not Phase.BACKWARD
+            root.abandon_backward(ctx)
+        later = bool(self.to_run) and ctx.phase is not Phase.BACKWARD
         if later:
             # Another module of this group ran first in this forward: gathered already.
-            self._to_run.discard(id(module))
+            self.to_run.discard(id(module))
         elif ctx.phase is Phase.BACKWARD:
             # A recomputed forward (activation checkpointing) inside backward:
             # never prefetch in forward order -- that module's backward may be
@@ -168,7 +154,7 @@ class ModuleState:
             if tracer is not None:
                 tracer.begin("recompute", self.label)
             if ctx.held is not None and ctx.held is not self:
-                ctx.release_held()  # another module's recomputation: the held one is done
+                root.release_held(ctx)  # another module's recomputation: the held one is done
             if self.phase is Phase.IDLE:  # first need of this module in this backward
                 needs = ctx.backward_needs(self)
                 targets = self.bwd_targets if self.bwd_targets is not None else needs
@@ -179,10 +165,8 @@ class ModuleState:
         else:
             if self is ctx.root:
                 self._disarm_parts()
-                ctx.begin_forward()  # recovers from a forward that raised, first
+                root.begin_forward(ctx)  # recovers from a forward that raised, first
                 if ctx.check:
-                    from .check import check_forward_entry
-
                     check_forward_entry(ctx)
             if ctx.check:
                 ctx.log(f"{self.label}: forward")
@@ -196,7 +180,7 @@ class ModuleState:
                 # [norm, head] group after the root's forward, one backward
                 # per chunk), a member is a whole use of the group: its
                 # post-forward ends it, as no root post-forward will.
-                self._to_run = {id(m) for m in self.modules if m is not module}
+                self.to_run = {id(m) for m in self.modules if m is not module}
         if self.group is not None and torch.is_grad_enabled():
             self._attach()
             if not self.group.attached and not later:
@@ -237,21 +221,12 @@ class ModuleState:
             if tracer is not None:
                 tracer.end("recompute", self.label)
             return output
-        if self._to_run:
+        if self.to_run:
             return output  # more modules of this group run in this forward: keep it gathered
         self._set_phase(Phase.IDLE)
         will_backward = bool(tensors) and torch.is_grad_enabled()
         if self is ctx.root:
-            if will_backward and module.training:
-                # The root runs backward first: by default (reshard_after_forward
-                # None) it is kept; wasted prefetches are dropped.
-                for s in ctx.states:
-                    if s.settings.reshard_after_forward:
-                        s.reshard_now(keep=True)
-            else:
-                # No backward follows: nobody may stay gathered, root included.
-                ctx.reshard_all()
-            ctx.end_forward()
+            root.end_forward(ctx, backward_follows=will_backward and module.training)
             self._arm_parts()
         elif self.settings.reshard_after_forward and self.group is not None:
             self.group.reshard(keep=True)
@@ -260,9 +235,9 @@ class ModuleState:
     def _pre_backward(self, attachment: Attachment | None, grad: torch.Tensor) -> None:
         ctx = self.context
         assert ctx is not None
-        ctx.enter_backward()
+        root.enter_backward(ctx)
         if ctx.held is not None and ctx.held is not self:
-            ctx.release_held()
+            root.release_held(ctx)
         if self.phase is Phase.BACKWARD:
             return
         if torch.is_grad_enabled():
@@ -292,7 +267,7 @@ class ModuleState:
         for a module with every parameter frozen, its inputs' gradients (``grads`` None)."""
         ctx = self.context
         assert ctx is not None and self.group is not None
-        ctx.enter_backward()
+        root.enter_backward(ctx)
         if ctx.check:
             ctx.log(f"{self.label}: post-backward")
         tracer = active_trace()
@@ -305,36 +280,13 @@ class ModuleState:
             # may be recomputed later in this backward (several checkpointed
             # regions in one sharded module), so keep it gathered and sum
             # locally; reduce and reshard once another module's backward
-            # starts, or at the end (ctx.release_held).
+            # starts, or at the end (root.release_held).
             self.group.accumulate(grads)
-            ctx.hold(self)
+            root.hold(ctx, self)
             return
         if ctx.held is self:
             ctx.held = None  # the outer pass reached it: reduce the sum now
-        self.finish_backward(grads)
-
-    def finish_backward(self, grads: list[torch.Tensor | None] | None) -> None:
-        """Reduce (``grads`` None: only what was accumulated) and reshard."""
-        ctx = self.context
-        assert ctx is not None and self.group is not None
-        # Reshard first: the reduction reads gradients, not parameters, so the
-        # unsharded parameters go before its buffers are allocated.
-        if self.settings.reshard_after_backward:
-            self.group.reshard()
-        if grads is not None or self.group.owes_reduction:
-            # One reduction in flight at a time (by default) bounds the gradient
-            # memory held.
-            ctx.finish_reduces(keep=self.settings.max_reduces_in_flight - 1, overlap=True)
-            job = self.group.reduce_grads(
-                grads or [None] * len(self.group.params),
-                ctx.settings.is_last_backward,
-                ctx.downloads,
-            )
-            if job is not None:
-                ctx.pending_reduces.append(job)
-        self.backward_done = True
-        ctx.backwards_done += 1
-        self._set_phase(Phase.IDLE)
+        root.finish_backward(ctx, self, grads)
 
     # ---- the root's parts, called on their own ---------------------------------------------
 
@@ -356,10 +308,6 @@ class ModuleState:
             pre = m.register_forward_pre_hook(outside_compile(self._before_part), with_kwargs=True)
             self._part_hooks.append(pre)
             self._part_hooks.append(m.register_forward_hook(outside_compile(self._after_part)))
-
-    def forget_part(self) -> None:
-        """A part's call raised (its post-hook never ran): the next call gathers anew."""
-        self._part = None
 
     def _disarm_parts(self) -> None:
         for handle in self._part_hooks:
@@ -411,23 +359,7 @@ class ModuleState:
         recompute = self.context is not None and self.context.phase is Phase.BACKWARD
         self.group.attach(functools.partial(_Unsharded.apply, self), recompute)
 
-    # ---- context callbacks ---------------------------------------------------------------
-
-    def on_backward_start(self) -> None:
-        self.backward_done = False
-        if self.group is not None:
-            # A forward recomputed with its hooks (checkpoint around the module)
-            # builds a new graph: it makes a new attachment, once per backward.
-            # Pre-backward hooks carry their own forward's attachment.
-            self.group.detach_autograd()
-
-    def on_backward_end(self) -> None:
-        if self.group is not None:
-            if self.settings.reshard_after_backward:
-                self.group.reshard()
-            self.group.detach_autograd()
-        self.backward_done = False
-        self.phase = Phase.IDLE
+    # ---- the root's settings ------------------------------------------------------------
 
     def set_for_root(self, apply: Callable[[RootSettings], None]) -> None:
         """Change the root's settings (``apply`` writes them): now, or once the
@@ -436,11 +368,6 @@ class ModuleState:
             apply(self.context.settings)
         else:
             self._for_root.append(apply)
-
-    def reshard_now(self, keep: bool = False) -> None:
-        """Free what is gathered; ``keep``: after forward, what backward gathers from."""
-        if self.group is not None:
-            self.group.reshard(keep)
 
 
 class _Unsharded(torch.autograd.Function):

@@ -18,8 +18,12 @@ recomputation computes with the same autograd-tracked tensors as the forward:
 a non-reentrant checkpoint finds the same saved tensors, and a reentrant one's
 inner backward reaches the post-backward.
 
-The layout itself (the flat shard, the unsharded storage, the views between
-them) is ``FlatShard``, in flat_shard.py.
+The group holds its layout (``FlatShard``, flat_shard.py: the flat shard, the
+unsharded storage, the views between them) and the strategy it gathers by
+(gather.py); it builds its reductions (``ReduceJob``, reduce.py). Each is
+given the layout and what it needs, and returns what it made (a collective
+in flight, the reduced shards); the group applies it: its state, the
+installed parameters, ``.grad``. Nothing below it names it.
 """
 
 from __future__ import annotations
@@ -37,13 +41,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import collectives, gather
-from .extensions import Extension, PackedGather, has_hooks
 from .flat_shard import FlatShard, local_of
-from .labels import label
-from .precision import resolve_dtypes
-from .reduce import ReduceJob
+from .reduce import HeldBack, ReduceJob
 from .settings import GroupSettings
 from .sharded_param import ShardedParam
+from .step_in_backward import StepInBackward
 from .tensor_parallel import TPLayout
 from .trace import active as active_trace
 
@@ -72,7 +74,8 @@ class _OptimizerSteps:
     update through autograd would: it steps one module's parameters while other
     modules are kept gathered for their own backward, which must not gather
     again. optimizer_in_backward's own steps are not counted: they reshard
-    what they step themselves.
+    what they step themselves (its shadow optimizers are marked,
+    step_in_backward.py).
     """
 
     count = 0
@@ -108,7 +111,7 @@ def will_run(node: Any) -> bool:
     return bool(torch._C._will_engine_execute_node(node))
 
 
-class ParamGroup(FlatShard):
+class ParamGroup:
     """The parameters one ``fully_shard`` call owns, sharded over one mesh."""
 
     def __init__(
@@ -120,34 +123,30 @@ class ParamGroup(FlatShard):
         tp: Sequence[TPLayout | None] | None = None,
         dims: Sequence[int] | None = None,
     ) -> None:
-        """``settings``: the module state's own (one object, settings.py); ``tp[i]``: how tensor parallelism split ``named[i]`` (None: a plain parameter);
-        ``dims[i]``: the dimension it is split along (default 0)."""
-        self.label = label
+        """``settings``: the module state's own (one object, settings.py); ``tp[i]``: how
+        tensor parallelism split ``named[i]`` (None: a plain parameter); ``dims[i]``:
+        the dimension it is split along (default 0)."""
         self.settings = settings
         self.mesh = mesh
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
-        self.world = mesh.size(mesh.ndim - 1)
-        self.rank = mesh.get_local_rank(mesh.ndim - 1)
         # Where gathered parameters and gradients live; the shards too, unless
         # offloaded to host memory (offload.py).
         cuda = mesh.device_type == "cuda"
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
-        self.orig_dtype = named[0][1].dtype
-        # Derived from the policy and the shards' dtype (which model.to(dtype) changes).
-        self.compute_dtype, self.reduce_dtype = resolve_dtypes(settings.mp_policy, self.orig_dtype)
         self.state = GroupState.SHARDED
         if settings.reduce_scatter_group is None:
             settings.reduce_scatter_group = self.shard_group
-        self.step_in_backward: Any = None  # optimizer_in_backward's handle: steps once reduced
+        # optimizer_in_backward's stepper: steps this group once its gradients are reduced.
+        self.step_in_backward: StepInBackward | None = None
+        self.stepped = False  # stepped in this backward: gathering it again is refused
         self.kept: torch.Tensor | None = None  # what reshard_after_forward=int kept for backward
-        self._partial: tuple[list[int], torch.Tensor] | None = None  # (members, summed shard)
+        self.held_back = HeldBack()  # HSDP sums held back from the all-reduce
         self.prefetched = False  # gathered by another module's prefetch, not yet used
         self.last_used: list[bool] | None = None  # which parameters got gradients last time
         self._pending: collectives.Pending | None = None
-        self.gather: gather.Gather  # how it gathers (chosen with the layout, by _shard)
         # The current forward's tracked parameters and the parameters they stand for.
         self.attachment: Attachment | None = None
         # Their autograd node, kept for backward (``reached_in_backward``).
@@ -158,31 +157,45 @@ class ParamGroup(FlatShard):
         _OptimizerSteps.watch()
         self._gathered_version = (-1, -1)  # what the last gather read (``stale``)
 
-        layouts = list(tp) if tp is not None else [None] * len(named)
-        self.has_tp = any(t is not None for t in layouts)
-        self.params: list[ShardedParam] = []
-        offset = 0
-        for i, ((fqn, p, locs), layout) in enumerate(zip(named, layouts)):
-            shape = local_of(p).shape if layout is not None else p.shape
-            dim = dims[i] if dims is not None else 0
-            sp = ShardedParam(
-                fqn, locs, shape, p.requires_grad, self.world, self.rank, offset, dim, layout
-            )
-            sp.index = len(self.params)
-            if layout is None and has_hooks(p):  # a subclass that gathers itself (extensions.py)
-                sp.ext = Extension(fqn, p)
-            self.params.append(sp)
-            offset += sp.slot
-        self.ext_gather = PackedGather() if any(sp.ext for sp in self.params) else None
-        self.shard_numel = offset
-        self._shard(named)
+        self.layout = FlatShard(named, mesh, self.device, settings, label, tp, dims)
+        self.params: list[ShardedParam] = self.layout.params
+        self.world, self.rank = self.layout.world, self.layout.rank
+        self.shard_numel = self.layout.shard_numel
+        self.has_tp = self.layout.has_tp
+        # Parameters that gather themselves share one packing (gather.py), kept
+        # across a change of strategy.
+        self.packed = gather.PackedGather() if self.layout.self_gathering else None
+        self.gather: gather.Gather = self._choose()
+
+    @property
+    def label(self) -> str:
+        return self.layout.label
+
+    @label.setter
+    def label(self, name: str) -> None:
+        self.layout.label = name  # what the collectives and copies are labelled by
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.layout.orig_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.layout.compute_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.layout.reduce_dtype
 
     def load_assigned(self, state_dict: dict[str, Any], keys: list[list[str]]) -> bool:
         """``load_state_dict(sd, assign=True)`` (``FlatShard.load_assigned``): a new
-        flat shard holds nothing gathered."""
-        rebuilt = super().load_assigned(state_dict, keys)
+        flat shard holds nothing gathered, and may gather another way."""
+        if self.state is GroupState.GATHERING:
+            self.reshard()  # the gather in flight reads the old flat shard
+        rebuilt = self.layout.load_assigned(state_dict, keys)
         if rebuilt:
             self.state = GroupState.SHARDED
+            self.choose_gather()
         return rebuilt
 
     # ---- unshard / reshard --------------------------------------------------------------
@@ -191,11 +204,18 @@ class ParamGroup(FlatShard):
         """Issue this group's all-gather (async); ``wait_unsharded`` finishes it."""
         if self.state is not GroupState.SHARDED:
             return
-        if self.step_in_backward is not None:
-            self.step_in_backward.check_not_stepped(self)
-        if any(local_of(sp.sharded) is not loc for sp, loc in zip(self.params, self._locals)):
-            self.repack()  # someone replaced the shards (to_empty, .to())
-        pending = self.gather.issue(self)
+        if self.stepped:
+            raise RuntimeError(
+                f"module {self.label!r} is needed again in the backward that already "
+                "stepped it (optimizer_in_backward): it runs in two reentrant-checkpointed "
+                "regions, so its gradients would be computed with stepped parameters; use "
+                "use_reentrant=False there, or remove() the handle"
+            )
+        layout = self.layout
+        if any(local_of(sp.sharded) is not t for sp, t in zip(self.params, layout.shard_locals)):
+            layout.repack()  # someone replaced the shards (to_empty, .to())
+            self.choose_gather()  # a new layout may gather another way
+        pending = self.gather.issue(self.kept)
         if pending is None:  # nothing to wait for (aliased, a cast done at once)
             self.state = GroupState.UNSHARDED
             self._install_plain()
@@ -215,7 +235,7 @@ class ParamGroup(FlatShard):
         gathering those ahead only holds memory sooner."""
         if self.world > 1 or self.settings.offload_policy is not None:
             return True
-        cast_on_gpu = self.device.type == "cuda" and not self.aliased and self.ext_gather is None
+        cast_on_gpu = self.device.type == "cuda" and not self.layout.aliased and self.packed is None
         return cast_on_gpu and (not in_backward or past_first)
 
     @property
@@ -230,7 +250,7 @@ class ParamGroup(FlatShard):
             return
         assert self._pending is not None
         self._pending.wait()
-        self.gather.finish(self)
+        self.gather.finish()
         self._pending = self.kept = None
         self.state = GroupState.UNSHARDED
         self._install_plain()
@@ -250,29 +270,24 @@ class ParamGroup(FlatShard):
         self.kept = None
         self.choose_gather()
 
-    def comm_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.settings.comm_alloc is not None:
-            return self.settings.comm_alloc(numel, dtype)
-        return torch.empty(numel, dtype=dtype, device=self.device)
-
-    def allocate_unsharded(self) -> None:
-        """Give the unsharded parameters their storage back (gather.py fills it)."""
-        with label("unsharded"):
-            self.unsharded_flat.untyped_storage().resize_(
-                self.unsharded_flat.numel() * self.unsharded_flat.element_size()
-            )
-
-    def _make_unsharded_views(self, device: torch.device) -> None:
-        super()._make_unsharded_views(device)
-        self.choose_gather()  # a new layout (built, repacked, loaded) may gather another way
-
     def choose_gather(self) -> None:
-        """Decide how this group gathers (gather.py): when its layout is built and
-        when a setting that decides it changes (``use_comm_alloc``,
+        """Decide how this group gathers (gather.py): when its layout is built or
+        rebuilt and when a setting that decides it changes (``use_comm_alloc``,
         ``use_custom_all_gather``, ``use_post_forward_group``)."""
         if self.state is GroupState.GATHERING:
             self.reshard()  # the gather in flight belongs to the old way
-        self.gather = gather.choose(self)
+        self.gather = self._choose()
+
+    def _choose(self) -> gather.Gather:
+        s = self.settings
+        comm = gather.GatherComm(
+            self.shard_group,
+            s.custom_all_gather,
+            s.comm_alloc,
+            s.post_forward_group,
+            s.offload_policy is not None,
+        )
+        return gather.choose(self.layout, comm, self.packed)
 
     def _shards_version(self) -> tuple[int, int]:
         # In-place updates through DTensor bump the parameter's own version
@@ -348,7 +363,7 @@ class ParamGroup(FlatShard):
             and self.settings.post_forward_group is not None
             and self.state is GroupState.UNSHARDED
         ):
-            self.kept = self._part_for_backward()
+            self.kept = self.layout.part_for(self.settings.post_forward_group.size())
         elif not keep:
             self.kept = None
         if self.state is GroupState.GATHERING:
@@ -362,8 +377,8 @@ class ParamGroup(FlatShard):
             sp.install(sp.sharded)
             if sp.ext is not None:
                 sp.ext.free()
-        if not self.aliased:
-            self.unsharded_flat.untyped_storage().resize_(0)
+        if not self.layout.aliased:
+            self.layout.unsharded_flat.untyped_storage().resize_(0)
         # The attachment survives a reshard: a module called twice in one forward
         # uses the same autograd outputs (the storage is refilled in place), so
         # its backward runs one post-backward. The context clears it per forward.
@@ -373,41 +388,27 @@ class ParamGroup(FlatShard):
         if tracer is not None:
             tracer.instant("reshard", self.label)
 
-    def drop_kept(self) -> None:
-        """Forget the part kept after forward (``reshard_after_forward=int``)."""
+    def new_forward(self) -> None:
+        """A root forward starts: it makes its own attachment (one per module per
+        forward), and a part kept after forward (``reshard_after_forward=int``) for a
+        backward that never came is stale once the optimizer has stepped: gather anew."""
         self.kept = None
-
-    def _part_for_backward(self) -> torch.Tensor:
-        """The rank-major gather input for the post-forward group: the pieces of
-        ``world / n`` consecutive ranks, so that gathering it over the n ranks of
-        the group (in their order) yields every rank's piece in rank order."""
-        n = self.settings.post_forward_group.size()
-        per = self.world // n
-        start = (self.rank % n) * per
-        parts = []
-        for sp, out in zip(self.params, self._copy_out):
-            if sp.dim == 0:
-                parts.append(out[start : start + per])
-            else:
-                parts.append(out.transpose(0, 1)[start : start + per].reshape(per, sp.slot))
-        with label("post-forward part"):
-            return torch.cat(parts, dim=1).view(-1)
+        self.attachment = None
 
     @property
     def unsharded_bytes(self) -> int:
         """Bytes of unsharded storage this group holds right now (also a kept part)."""
         kept = 0 if self.kept is None else self.kept.nbytes
-        kept += sum(sp.ext.nbytes for sp in self.params if sp.ext is not None)
-        if self.aliased:
-            return kept
-        return self.unsharded_flat.untyped_storage().nbytes() + kept
+        return self.layout.unsharded_nbytes + kept
 
     # ---- gradients ----------------------------------------------------------------------
 
     def reduce_grads(
-        self, grads: list[torch.Tensor | None], last_backward: bool = True, downloads: Any = None
+        self, grads: list[torch.Tensor | None], last_backward: bool, downloads: list[Any]
     ) -> ReduceJob | None:
-        """Start averaging the unsharded gradients; returns the job to finish later.
+        """Start averaging the unsharded gradients; returns the job in flight (None:
+        nothing to reduce now). Its ``finish`` returns the reduced shards, which
+        ``assign_grads`` puts on ``.grad``.
 
         ``grads`` has one entry per parameter of the group, ``None`` for those
         without a gradient (frozen, unused). With gradient sync off, gradients
@@ -424,21 +425,37 @@ class ParamGroup(FlatShard):
             ]
             self._accum = None
         used = [g is not None for g in grads]
-        if not any(used) and self._partial is not None and self.settings.requires_all_reduce:
+        held_back = self.held_back.sums
+        if not any(used) and held_back is not None and self.settings.requires_all_reduce:
             # HSDP sums held back, of a module this backward did not reach:
             # zeros carry them through the reduce-scatter to the all-reduce.
-            held = set(self._partial[0])
+            held = set(held_back[0])
             used = [sp.index in held for sp in self.params]
         self.last_used = used
         if not any(used):
             return None
-        return ReduceJob(self, grads, used, last_backward, downloads)
+        return ReduceJob(
+            self.layout,
+            self.settings,
+            self.replicate_group,
+            self.held_back,
+            grads,
+            used,
+            last_backward,
+            downloads,
+        )
+
+    def grads_to_step(self) -> list[tuple[Any, Any]]:
+        """The sharded parameters with a gradient, and those gradients as they are now
+        (a caller's zero_grad after a failed backward must not change what a queued
+        step applies)."""
+        return [(sp.sharded, sp.sharded.grad) for sp in self.params if sp.sharded.grad is not None]
 
     def accumulate(self, grads: list[torch.Tensor | None]) -> None:
         """Add ``grads`` to the local sum that the next reduction includes."""
         # In reduce_dtype. A synced backward does not cast: the copy-in into the
-        # reduce-scatter buffer does (an fp32 copy of a 7B layer's bf16
-        # gradients is 0.8 GB held for nothing).
+        # reduce-scatter buffer does (an fp32 copy of a layer's bf16 gradients
+        # would be held for nothing).
         grads = [None if g is None else g.to(self.reduce_dtype) for g in grads]
         if self._accum is None:
             # Our own copies: autograd's gradients may be expanded views, and
@@ -463,29 +480,22 @@ class ParamGroup(FlatShard):
         if not self.settings.requires_gradient_sync:
             return False
         return self._accum is not None or (
-            self._partial is not None and self.settings.requires_all_reduce
+            self.held_back.sums is not None and self.settings.requires_all_reduce
         )
-
-    def take_held_back(self) -> tuple[list[int], torch.Tensor] | None:
-        """HSDP sums held back by ``set_requires_all_reduce(False)`` (the members'
-        indices and the summed shard), handed to the next all-reduce; None if none."""
-        held, self._partial = self._partial, None
-        return held
-
-    def hold_back(self, members: list[int], summed: torch.Tensor) -> None:
-        self._partial = (members, summed)
 
     def clear_accumulated(self) -> None:
         """Drop local sums and held-back reductions (``reset_iter_state``)."""
         self._accum = None
-        self._partial = None
+        self.held_back.sums = None
 
     def assign_grads(self, shards: list[Any], used: list[bool]) -> None:
+        """Put a finished reduction's shards (``ReduceJob.finish``) on ``.grad``."""
+        orig_dtype = self.layout.orig_dtype
         for sp, g, u in zip(self.params, shards, used):
             if not u:
                 continue
-            if g.dtype != self.orig_dtype:
-                g = g.to(self.orig_dtype)
+            if g.dtype != orig_dtype:
+                g = g.to(orig_dtype)
             p = sp.sharded
             if p.grad is None:
                 # The parameter's own spec fits its gradient (same mesh, placements,

@@ -3,24 +3,48 @@
 Why a job object: a module's post-backward starts its reduction and returns at
 once, so the next module's backward computes while it runs; the job holds
 every buffer the collectives read or write until ``finish`` has waited for
-them (then the reduced shards go on the parameters' ``.grad``). By default
-one job is in flight at a time (context.py's ``finish_reduces``), bounding
-the memory held for communication to one module; with HSDP, the previous
-module's all-reduce as well, which holds only its reduced shard.
+them. By default one job is in flight at a time (root.py's ``finish_reduces``),
+bounding the memory held for communication to one module; with HSDP, the
+previous module's all-reduce as well, which holds only its reduced shard.
+
+A job is given what it needs and knows no group: the group's layout
+(``FlatShard``: its parameters, dtypes, device), its settings, the replicas'
+process group, where HSDP sums held back are kept (``HeldBack``) and where a
+download in flight is listed. ``finish`` returns the reduced shards; the
+group puts them on ``.grad`` (``ParamGroup.assign_grads``), and the layer that
+finished the job tells optimizer_in_backward (root.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from . import collectives, offload
+from .flat_shard import FlatShard
 from .labels import label
+from .settings import GroupSettings
+from .sharded_param import ShardedParam
 
-if TYPE_CHECKING:
-    from .param_group import ParamGroup
-    from .sharded_param import ShardedParam
+
+class HeldBack:
+    """HSDP sums held back from the all-reduce by ``set_requires_all_reduce(False)``:
+    the members' indices and the summed shard, handed to the next all-reduce. One
+    per group, given to each of its reductions."""
+
+    __slots__ = ("sums",)
+
+    def __init__(self) -> None:
+        self.sums: tuple[list[int], torch.Tensor] | None = None
+
+    def take(self) -> tuple[list[int], torch.Tensor] | None:
+        held, self.sums = self.sums, None
+        return held
+
+    def hold(self, members: list[int], summed: torch.Tensor) -> None:
+        self.sums = (members, summed)
 
 
 class ReduceJob:
@@ -34,18 +58,27 @@ class ReduceJob:
 
     def __init__(
         self,
-        group: ParamGroup,
+        layout: FlatShard,
+        settings: GroupSettings,
+        replicate_group: ProcessGroup | None,
+        held_back: HeldBack,
         grads: list[torch.Tensor | None],
         used: list[bool],
         last_backward: bool,
         downloads: list[Any] | None,
     ):
-        """``last_backward``: this backward ends the microbatches (only then does
-        optimizer_in_backward step; decided now, since an earlier microbatch's job
-        may finish in the next one). ``downloads``: where an offloaded copy to the
-        host that nothing waits for yet is listed (the context waits at the end
-        of backward)."""
-        g = self.group = group
+        """``settings``: the group's, read as the job runs (the reduce-scatter's
+        group, a divide factor, hooks, whether HSDP all-reduces now);
+        ``replicate_group``: HSDP's replicas (None: FSDP). ``last_backward``:
+        this backward ends the microbatches (only then does optimizer_in_backward
+        step; decided now, since an earlier microbatch's job may finish in the
+        next one). ``downloads``: where an offloaded copy to the host that
+        nothing waits for yet is listed (the context waits at the end of backward)."""
+        g = self.layout = layout
+        self.settings = settings
+        self.replicate_group = replicate_group
+        self.held_back = held_back
+        self.last_backward = last_backward
         self._downloads = downloads
         self._pending: collectives.Pending | None = None
         # HSDP: the all-reduce over the replicas, issued once the reduce-scatter
@@ -60,26 +93,25 @@ class ReduceJob:
         self.members = [
             sp for sp, t in zip(g.params, grads) if t is not None or sp.sharded.requires_grad
         ]
-        if g.settings.reduce_scatter_unused:
+        if settings.reduce_scatter_unused:
             # Every rank assigns every member: a parameter used on some ranks
             # only gets the mean (zeros from the others) everywhere.
             member = {sp.index for sp in self.members}
             used = [u or sp.index in member for sp, u in zip(g.params, used)]
         self.used = used
-        self.steps = g.step_in_backward is not None and last_backward
-        self._downloaded: Any = None  # offload: the event of the copy to the host
+        self.downloaded: Any = None  # offload: the event of the copy to the host (None: none)
         self._owner: torch.cuda.Stream | None = None  # offload: where ``out`` was allocated
-        hsdp = g.replicate_group is not None
-        plain = g.settings.divide_factor is None and g.settings.all_reduce_hook is None
+        hsdp = replicate_group is not None
+        plain = settings.divide_factor is None and settings.all_reduce_hook is None
         device = g.device
         # One rank, nothing else to do: nothing to average, the gradients are
         # the shards, cast to the parameters' dtype (on a GPU beside compute,
         # below; else on assignment).
-        alone = g.world == 1 and not hsdp and plain and g.settings.offload_policy is None
+        alone = g.world == 1 and not hsdp and plain and settings.offload_policy is None
         cast = device.type == "cuda" and any(
             t is not None and t.dtype != g.orig_dtype for t in grads
         )
-        if alone and g.settings.reduce_scatter_unused:
+        if alone and settings.reduce_scatter_unused:
             grads = _zeros_for(g, grads, self.members)
         if alone and not cast:
             self.shards: list[Any] = [None if t is None else t.contiguous() for t in grads]
@@ -95,8 +127,10 @@ class ReduceJob:
             if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
                 filled = [t.to(g.reduce_dtype) for t in filled]
             numel = sum(sp.slot for sp in self.members)
-            self.out = g.comm_buffer(numel, g.orig_dtype if alone else g.reduce_dtype)
-            if g.settings.offload_policy is not None and device.type == "cuda":
+            alloc = settings.comm_alloc
+            dtype = g.orig_dtype if alone else g.reduce_dtype
+            self.out = collectives.comm_buffer(alloc, numel, dtype, device)
+            if settings.offload_policy is not None and device.type == "cuda":
                 # The stream whose pool ``out`` came from: its free is ordered there,
                 # after the download (offload.download).
                 self._owner = torch.cuda.current_stream(device)
@@ -112,25 +146,26 @@ class ReduceJob:
                     work = collectives.StreamWork(device)
                 self._pending = collectives.Pending(work, label=g.label, kind="cast")
             else:
-                self._rs_in = g.comm_buffer(g.world * numel, g.reduce_dtype).view(g.world, numel)
+                rs_in = collectives.comm_buffer(alloc, g.world * numel, g.reduce_dtype, device)
+                self._rs_in = rs_in.view(g.world, numel)
                 with collectives.side_stream("reduce", device):
                     _copy_in(filled, slots, self._rs_in)
                     _record_stream(filled, device)
                     self._pending = collectives.reduce_scatter(
                         self.out,
                         self._rs_in.view(-1),
-                        g.settings.reduce_scatter_group,
+                        settings.reduce_scatter_group,
                         g.label,
-                        divide_by=None if g.settings.divide_factor is not None else g.world,
-                        comm=g.settings.custom_reduce_scatter,
-                        sum_only=g.settings.force_sum,
+                        divide_by=None if settings.divide_factor is not None else g.world,
+                        comm=settings.custom_reduce_scatter,
+                        sum_only=settings.force_sum,
                     )
         self.shards = []
 
     @property
     def overlaps(self) -> bool:
         """Whether ``scattered`` would issue an all-reduce that ``finish`` then waits for."""
-        return not self._scattered and not self.shards and self.group.replicate_group is not None
+        return not self._scattered and not self.shards and self.replicate_group is not None
 
     def scattered(self) -> None:
         """Wait for the reduce-scatter; HSDP: issue the all-reduce over the replicas
@@ -141,7 +176,7 @@ class ReduceJob:
         if self._pending is not None:
             self._pending.wait()
             self._pending = self._rs_in = None
-        if not self.shards and self.group.replicate_group is not None:
+        if not self.shards and self.replicate_group is not None:
             self._all_reducing = self._all_reduce(self.out)
             self._held = self._all_reducing is None
         self._scattered = True  # only now: an all-reduce that raised is not skipped
@@ -154,37 +189,37 @@ class ReduceJob:
                 pending.wait()
         self._pending = self._all_reducing = self._rs_in = None
 
-    def finish(self) -> None:
-        """Wait for the reduction and put the shards on the parameters' ``.grad``."""
-        g = self.group
+    def finish(self) -> list[Any] | None:
+        """Wait for the reduction; the reduced shards, one per parameter of the group
+        (None where ``used`` is False), to go on ``.grad``. None when held back
+        (``set_requires_all_reduce(False)``): no gradient yet."""
+        g, settings = self.layout, self.settings
         self.scattered()
         if self._held:
-            return  # held back (set_requires_all_reduce(False)): no gradient yet
+            return None
         if self._all_reducing is not None:
             self._all_reducing.wait()
             self._all_reducing = None
         if not self.shards:
             out = self.out
-            if g.settings.divide_factor is not None:
-                out.div_(g.settings.divide_factor)
-            if g.settings.all_reduce_hook is not None:
-                g.settings.all_reduce_hook(out)
-            if g.settings.offload_policy is not None:
+            if settings.divide_factor is not None:
+                out.div_(settings.divide_factor)
+            if settings.all_reduce_hook is not None:
+                settings.all_reduce_hook(out)
+            if settings.offload_policy is not None:
                 out = self._download(out)
             self.shards = [None] * len(g.params)
             offset = 0
             for sp in self.members:
                 self.shards[sp.index] = out[offset : offset + sp.local_numel].view(sp.local_shape)
                 offset += sp.slot
-        g.assign_grads(self.shards, self.used)
-        if self.steps and g.step_in_backward is not None:
-            g.step_in_backward.grads_ready(g, self._downloaded)
+        return self.shards
 
     def _download(self, out: torch.Tensor) -> torch.Tensor:
         """The reduced shards, copied to host memory (offload): the CPU gradients."""
-        g = self.group
-        assert g.settings.offload_policy is not None and self._downloads is not None
-        pin = g.settings.offload_policy.pin_memory
+        g = self.layout
+        assert self.settings.offload_policy is not None and self._downloads is not None
+        pin = self.settings.offload_policy.pin_memory
         host, done = offload.download(out, g.orig_dtype, pin, self._owner, g.label)
         if any(sp.sharded.grad is not None for sp in self.members):
             if done is not None:
@@ -192,16 +227,16 @@ class ReduceJob:
             offload.release_downloaded()  # arrived: its device copy can go at once
         elif done is not None:
             self._downloads.append(done)  # waited for at the end of backward
-            self._downloaded = done
+            self.downloaded = done
         return host
 
     def _all_reduce(self, out: torch.Tensor) -> collectives.Pending | None:
         """HSDP: average ``out`` over the replicas, with sums held back before, issued;
         None when held back instead."""
-        g = self.group
-        assert g.replicate_group is not None
+        g, settings = self.layout, self.settings
+        assert self.replicate_group is not None
         members = [sp.index for sp in self.members]
-        taken = g.take_held_back()
+        taken = self.held_back.take()
         if taken is not None:
             held, partial = taken
             if held != members:
@@ -211,12 +246,12 @@ class ReduceJob:
                     "only after a backward that all-reduces"
                 )
             out.add_(partial)
-        if not g.settings.requires_all_reduce:
-            g.hold_back(members, out)
+        if not settings.requires_all_reduce:
+            self.held_back.hold(members, out)
             return None
-        replicas = g.replicate_group.size()
-        divide = None if g.settings.divide_factor is not None else replicas
-        return collectives.all_reduce(out, g.replicate_group, g.label, divide_by=divide)
+        replicas = self.replicate_group.size()
+        divide = None if settings.divide_factor is not None else replicas
+        return collectives.all_reduce(out, self.replicate_group, g.label, divide_by=divide)
 
 
 # Ranks up to which the copy-in copies each rank's piece apart (``_copy_in``).
@@ -230,12 +265,11 @@ def _copy_in(filled: list[torch.Tensor], slots: list[int], out: torch.Tensor) ->
     rows), one ``_foreach_copy_``: up to ``PIECES_UP_TO`` ranks of the pieces,
     above it of each tensor into its strided ``[world, slot]`` column of
     ``out`` (at one rank, of the tensors themselves, contiguous or not).
-    ``_chunk_cat``, which also pads uneven splits, ran slower with a bf16 to
-    fp32 cast on an H200: 1.9x at two and 1.6x at four ranks, 10-14x at one;
-    the strided columns 2.1x at two (docs/bench/grad_cast_probe_s8.json).
-    The pieces are world views per tensor, host time that grows with the
-    world (at 1024 ranks it was most of the step: docs/scaling.md), so they
-    stop at one node's ranks. The Python calls here are per tensor, never per
+    ``_chunk_cat``, which also pads uneven splits, runs slower with a cast
+    (most at one rank), and so do the strided columns at a few ranks
+    (docs/benchmarks.md). The pieces are world views per tensor, host time
+    that grows with the world (at 1024 ranks most of the step: docs/scaling.md),
+    so they stop at one node's ranks. The Python calls here are per tensor, never per
     rank: this runs once per module per backward, and on a small model the
     host's time is the step's.
     """
@@ -263,7 +297,7 @@ def _record_stream(tensors: list[torch.Tensor], device: torch.device) -> None:
 
 
 def _zeros_for(
-    g: ParamGroup, grads: list[torch.Tensor | None], members: list[ShardedParam]
+    g: FlatShard, grads: list[torch.Tensor | None], members: list[ShardedParam]
 ) -> list[torch.Tensor | None]:
     """``grads`` with zeros for members that got none (unused on this rank)."""
     out = list(grads)

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
+from .extensions import Extension
 from .tensor_parallel import TPLayout
-
-if TYPE_CHECKING:
-    from .extensions import Extension
 
 
 def rows_per_rank(rows: int, world: int) -> int:

@@ -1,9 +1,16 @@
 """The library stands apart from its application, and its own layers only call down.
 
-``import shardwise`` needs torch alone.
-``src/shardwise`` is the library, ``src/shardwise_app`` the ``shardwise``
-command built on it (``pip install 'shardwise[cli]'``). The dependency runs
-one way: the application imports the library, never the reverse.
+``import shardwise`` needs torch alone and loads neither the application nor
+the planner. ``src/shardwise`` is the library, ``src/shardwise_app`` the
+``shardwise`` command built on it (``pip install 'shardwise[cli]'``). The
+dependency runs one way: the application imports the library, never the
+reverse.
+
+Inside the library every file has a place in ``LAYERS`` (docs/design.md draws
+it), and every import a file makes (at the top, under ``TYPE_CHECKING``, inside
+a function: each is a reference the reader follows) goes to a file of a layer
+below its own, so no file can call up into one above it and there is no
+import cycle (``python ../shared/tools/import_cycles.py src/shardwise`` agrees).
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ def test_import_shardwise_loads_no_application() -> None:
     loaded = json.loads(r.stdout)
     app = [m for m in loaded if m.split(".")[0] in ("shardwise_app", "rich", "matplotlib")]
     assert not app, app
+    # Nor the planner: it is a package of its own, beside the runtime.
+    planner = [m for m in loaded if m.startswith(("shardwise_plan", "shardwise.planner"))]
+    assert not planner, planner
 
 
 def _imported(tree: ast.AST) -> list[str]:
@@ -79,39 +89,143 @@ def test_the_command_without_its_extra_says_how_to_install(tmp_path: Path) -> No
 # ---- the runtime's own layers ---------------------------------------------------------------
 
 RUNTIME = LIBRARY
-# The layers a step goes down through (docs/design.md): what sits below never
-# imports what sits above, so it cannot call up into it.
-BELOW_THE_HOOKS = [
-    "param_group",
-    "flat_shard",
-    "sharded_param",
-    "gather",
-    "reduce",
-    "settings",
-    "collectives",
+# Top to bottom. A file may import the files of any layer below its own, none
+# of its own layer or above. The runtime's path through one step is
+# module -> root -> context -> param_group -> gather/reduce -> collectives.
+LAYERS: list[tuple[str, ...]] = [
+    ("__init__",),
+    # The public calls and what they are built from.
+    ("patch", "checkpoint", "optimizer_in_backward", "observe", "clip", "materialize"),
+    ("api",),
+    ("fsdp_module",),
+    # The runtime.
+    ("module",),  # one module's hooks (ModuleState)
+    ("root",),  # the root's boundaries: every module at a forward's start and end, a backward's end
+    ("check",),  # lifecycle checks: read the context and the modules' lifecycles
+    ("context",),  # the root's shared state and each module's lifecycle (phase, ALLOWED)
+    ("param_group",),  # one group's gather/reshard/reduce lifecycle
+    ("gather", "reduce", "step_in_backward"),  # strategies, given the layout; the stepper
+    ("flat_shard",),  # the layout
+    ("sharded_param",),
+    ("extensions",),
+    # Below everything: the timeline, settings, the copies, the collectives, the labels.
+    ("trace",),
+    ("settings", "checkpoint_integrity"),
+    ("precision", "tensor_parallel", "collectives", "offload"),
+    ("containers", "labels"),
 ]
-ABOVE = {"module", "context", "fsdp_module", "api", "optimizer_in_backward"}
+LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+RUNTIME_FILES = sorted(p.stem for p in RUNTIME.glob("*.py") if p.name not in RUN_ONLY)
+BELOW_THE_HOOKS = [name for name in RUNTIME_FILES if LAYER.get(name, -1) > LAYER["module"]]
 
 
 def _imports(path: Path) -> set[str]:
-    """The modules ``path`` imports, relative ones by their name in the package."""
+    """The library files ``path`` imports, by name: every import in it, at the top,
+    under ``TYPE_CHECKING`` or inside a function."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # from .x import y / from . import x
-                names.update([base] if base else [a.name for a in node.names])
-            else:
-                names.add(base)
+                names.update([base.split(".")[0]] if base else [a.name for a in node.names])
+            elif base == "shardwise":
+                names.update(a.name for a in node.names)
+            elif base.startswith("shardwise."):
+                names.add(base.split(".")[1])
         elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return names
+            names.update(
+                a.name.split(".")[1] for a in node.names if a.name.startswith("shardwise.")
+            )
+    return names & set(RUNTIME_FILES)
+
+
+def test_every_library_file_has_a_layer() -> None:
+    """A new file is placed in ``LAYERS`` (and so in the picture in docs/design.md)."""
+    assert len(RUNTIME_FILES) > 20, RUNTIME_FILES  # the scan found the library
+    missing = [name for name in RUNTIME_FILES if name not in LAYER]
+    assert not missing, f"add {missing} to LAYERS"
+    gone = [name for name in LAYER if name not in RUNTIME_FILES]
+    assert not gone, f"{gone} are in LAYERS but not in the library"
+
+
+@pytest.mark.parametrize("name", RUNTIME_FILES)
+def test_every_import_goes_to_a_layer_below(name: str) -> None:
+    """No import goes to a file of the same layer or above: nothing calls up."""
+    up = sorted(n for n in _imports(RUNTIME / f"{name}.py") if LAYER[n] <= LAYER[name])
+    assert not up, f"{name}.py imports {up}, of its own layer or above it"
 
 
 @pytest.mark.parametrize("name", BELOW_THE_HOOKS)
 def test_lower_layers_never_import_the_layers_above(name: str) -> None:
-    up = _imports(RUNTIME / f"{name}.py") & ABOVE
+    above = {n for n in RUNTIME_FILES if LAYER[n] <= LAYER["module"]}
+    up = _imports(RUNTIME / f"{name}.py") & above
     assert not up, f"{name}.py imports {sorted(up)}, a layer above it"
+
+
+def test_no_import_cycle_in_the_library() -> None:
+    """The tool the issue counts cycles with, over the library (0 cycles, exit 0)."""
+    tool = Path(__file__).resolve().parents[3] / "shared" / "tools" / "import_cycles.py"
+    if not tool.exists():
+        pytest.skip(f"{tool} is not in this checkout")
+    r = subprocess.run(
+        [sys.executable, str(tool), str(RUNTIME)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.startswith("0 import cycles"), r.stdout + r.stderr
+
+
+def _assignments(path: Path, attr: str) -> list[tuple[str, str]]:
+    """Where ``path`` assigns an attribute ``attr``: (the enclosing class.function, the target)."""
+    found = []
+
+    def visit(node: ast.AST, where: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, [*where, child.name])
+                continue
+            targets: list[ast.expr] = []
+            if isinstance(child, ast.Assign):
+                targets = list(child.targets)
+            elif isinstance(child, (ast.AugAssign, ast.AnnAssign)):
+                targets = [child.target]
+            for t in targets:
+                for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(el, ast.Attribute) and el.attr == attr:
+                        found.append((".".join(where), ast.unparse(el)))
+            visit(child, where)
+
+    visit(ast.parse(path.read_text()), [])
+    return found
+
+
+def test_a_module_phase_is_written_only_through_the_transition_table() -> None:
+    """``ModuleLifecycle._set_phase`` (context.py) checks ``ALLOWED``; no other code writes
+    a module's phase. The context writes its own phase only."""
+    writes = [
+        (p.stem, where, target)
+        for p in sorted(RUNTIME.glob("*.py"))
+        for where, target in _assignments(p, "phase")
+    ]
+    allowed = {
+        ("context", "ModuleLifecycle.__init__", "self.phase"),
+        ("context", "ModuleLifecycle._set_phase", "self.phase"),
+    }
+    wrong = [
+        w
+        for w in writes
+        if w not in allowed and not (w[0] == "context" and w[1].startswith("FSDPContext."))
+    ]
+    assert not wrong, wrong
+
+
+def test_step_in_backward_has_a_type() -> None:
+    """A group's optimizer-in-backward stepper is a ``StepInBackward``, not ``Any``."""
+    tree = ast.parse((RUNTIME / "param_group.py").read_text())
+    annotations = [
+        ast.unparse(node.annotation)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "self.step_in_backward"
+    ]
+    assert annotations == ["StepInBackward | None"], annotations
 
 
 def test_torch_distributed_is_called_only_in_the_collectives_layer() -> None:
