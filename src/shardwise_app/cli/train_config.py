@@ -160,8 +160,6 @@ def resolve(args: argparse.Namespace, world: int, local: int | None = None) -> R
                     "does not match it"
                 )
     c = replace(resumed.flags() if resumed else TrainingFlags(), **given)
-    if ckpt_step >= c.steps:
-        raise UsageError(_nothing_left(args.resume, ckpt_step, c.steps, "steps" in given))
     fine_tune = finetune.resolve(c, given, resumed, args.resume)
     if fine_tune is None:
         model_config, hf_weights = _gpt_shape(c, resumed, args.resume), None
@@ -172,6 +170,8 @@ def resolve(args: argparse.Namespace, world: int, local: int | None = None) -> R
     if c.warmup is None:
         c.warmup = min(100, c.steps // 10)
     _check_numbers(c, world)
+    if ckpt_step >= c.steps:
+        raise UsageError(_nothing_left(args.resume, ckpt_step, c.steps, "steps" in given))
     try:  # (tokenized under the run's lock: cli/corpus.py)
         check_data_path(c.data)
     except DataError as e:

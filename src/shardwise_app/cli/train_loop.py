@@ -79,6 +79,7 @@ class Run:
 
 
 def run_worker(args: argparse.Namespace, w: Worker, stop: StopRequest) -> int:
+    """A worker's run: set up, leave if a stop came first, then train and finish together."""
     run = set_up(run_config(args, w), w)
     # Ctrl-C in the first seconds (a mistyped flag): leave before the run
     # folder changes at all. All ranks decide together, as at every step.
