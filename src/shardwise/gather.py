@@ -34,6 +34,18 @@ kernels per group, not two per parameter (a 1B float8 model has hundreds of
 such inputs, and per-parameter copies left the step bound by kernel
 launches). The packing is fixed at the first gather and checked at every
 later one; the group keeps it across a change of strategy.
+
+Alternatives considered for what a strategy is given. (1) The group itself,
+typed as its base class ``FlatShard`` (as before): the strategy still held
+the group and reached its private views; the import said less than the call.
+(2) A frozen dataclass of every operand, built at each gather: one more
+allocation per module per step on the hot path, for operands (views of the
+unsharded storage) that change only when the layout is rebuilt, and the
+layout object already holds them. (3) Free functions, as FSDP2's
+``foreach_all_gather``: which way a group gathers is decided once, and a
+gather's buffers must outlive its collective, so an object chosen with the
+layout holds both. The layout object plus a frozen ``GatherComm`` (what
+``choose`` decided from) is what remains.
 """
 
 from __future__ import annotations

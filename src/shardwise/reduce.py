@@ -32,7 +32,9 @@ from .sharded_param import ShardedParam
 class HeldBack:
     """HSDP sums held back from the all-reduce by ``set_requires_all_reduce(False)``:
     the members' indices and the summed shard, handed to the next all-reduce. One
-    per group, given to each of its reductions."""
+    per group, given to each of its reductions, which take and put the sums when
+    they all-reduce (taken when a job is made instead, two jobs of one group in
+    flight would both miss what the first then holds back)."""
 
     __slots__ = ("sums",)
 

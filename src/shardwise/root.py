@@ -10,6 +10,14 @@ since the layer that finishes a module's reduction is the one that tells
 optimizer_in_backward its gradients are ready (``BackwardSteps``,
 step_in_backward.py): the group puts the reduced shards on ``.grad`` and
 knows nothing of steps.
+
+Alternatives considered: the same walks as methods of ``ModuleState`` in
+module.py (FSDP2 keeps them on its state class) would put the root's
+boundaries and one module's hooks in one file past 600 lines; callbacks the
+hooks register with the context would keep the call up, hidden behind a
+registration. Here each module's side of a boundary is a method of its
+``ModuleLifecycle`` (context.py), so this file never writes a module's
+phase, and the context below never calls a module.
 """
 
 from __future__ import annotations
