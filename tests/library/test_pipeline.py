@@ -287,7 +287,7 @@ def train_and_compare(
         # One reduce-scatter per sharded module that owns parameters, once per step.
         assert len(reduced) == len(owners), (step, reduced, owners)
         if mode != "fsdp2":  # by label: a block by its name, a stage root by its class
-            want = Counter(name or type(modules[0]).__name__ for name in owners)
+            want = Counter(name or PipeModel.__name__ for name in owners)
             assert Counter(reduced) == want, (step, reduced, owners)
         if has_last:
             first = dp_rank * MICROBATCHES
