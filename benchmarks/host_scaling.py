@@ -61,6 +61,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from typing import Any
 
 HIDDEN = 1024  # every parameter's dim 0
 WIDTH = 16
@@ -193,7 +194,11 @@ def one(impl: str, world: int, steps: int, profile: str, mode: str = "fake") -> 
     before_bytes = tracemalloc.get_traced_memory()[0]
     before_objs = len(gc.get_objects())
     before_tensors = _tensors()
-    shard = {"shardwise": shardwise.fully_shard, "fsdp2": fully_shard}.get(impl)
+    shards: dict[str, Any] = {
+        "shardwise": shardwise.fully_shard,
+        "fsdp2": fully_shard,
+    }
+    shard = shards.get(impl)
     if shard is not None:
         for block in model:
             shard(block)
