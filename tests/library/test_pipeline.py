@@ -11,7 +11,9 @@ Each run is compared with the same model in one process on the whole batch:
 every microbatch's loss and every parameter after the steps (rtol 1e-4), and the
 reduce-scatters of each step, one per sharded module that owns parameters
 (the pipelining runtime reduces once, after the last microbatch's weight
-gradients; reducing per microbatch would be four).
+gradients; reducing per microbatch would be four), and under shardwise one
+all-gather per such module in the second step (kept gathered from its first
+forward to the reduction: nothing regathered between microbatches).
 
 All cases of the world run in one launch of 4 processes. A crashed rank leaves
 its peers waiting on a pipeline receive: each case builds its own mesh, whose
@@ -179,9 +181,10 @@ def shard_stage(stage: PipeModel, fully_shard: Callable[..., Any], dp: DeviceMes
 
 
 @contextmanager
-def counting_reduce_scatters(mode: str) -> Iterator[list[str]]:
-    """Every reduce-scatter issued while inside, by module label (shardwise's
-    collective observer; for FSDP2, its calls of torch.distributed's)."""
+def counting_collectives(mode: str) -> Iterator[list[str]]:
+    """Every reduce-scatter (and under shardwise every all-gather) issued while inside,
+    as ``kind:label`` (shardwise's collective observer; for FSDP2, its calls of
+    torch.distributed's reduce-scatter)."""
     seen: list[str] = []
     if mode == "fsdp2":
         name = (
@@ -192,7 +195,7 @@ def counting_reduce_scatters(mode: str) -> Iterator[list[str]]:
         original = getattr(dist, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            seen.append("?")
+            seen.append("reduce_scatter:?")
             return original(*args, **kwargs)
 
         setattr(dist, name, counted)
@@ -203,8 +206,8 @@ def counting_reduce_scatters(mode: str) -> Iterator[list[str]]:
         return
 
     def observe(record: Any, pending: Any) -> None:
-        if record.kind == "reduce_scatter":
-            seen.append(record.label)
+        if record.kind in ("reduce_scatter", "all_gather"):
+            seen.append(f"{record.kind}:{record.label}")
 
     remove = shardwise.observe.add_collective_observer(observe)
     try:
@@ -276,7 +279,7 @@ def train_and_compare(
     for step in range(STEPS):
         x, y = (t[rows] for t in data(step))
         losses: list[torch.Tensor] = []
-        with counting_reduce_scatters(mode) as reduced:
+        with counting_collectives(mode) as seen:
             schedule.step(
                 *([x] if has_first else []),
                 target=y if has_last else None,
@@ -285,10 +288,19 @@ def train_and_compare(
         opt.step()
         opt.zero_grad()
         # One reduce-scatter per sharded module that owns parameters, once per step.
+        reduced = [s for s in seen if s.startswith("reduce_scatter")]
         assert len(reduced) == len(owners), (step, reduced, owners)
         if mode != "fsdp2":  # by label: a block by its name, a stage root by its class
-            want = Counter(name or PipeModel.__name__ for name in owners)
-            assert Counter(reduced) == want, (step, reduced, owners)
+            labels = [name or PipeModel.__name__ for name in owners]
+            assert Counter(reduced) == Counter(f"reduce_scatter:{n}" for n in labels), (
+                step,
+                reduced,
+                owners,
+            )
+            if step > 0:  # (the first step's metadata inference gathers and reshards)
+                # Kept gathered from the first forward to the reduction: one all-gather.
+                gathered = Counter(s for s in seen if s.startswith("all_gather"))
+                assert gathered == Counter(f"all_gather:{n}" for n in labels), (step, seen)
         if has_last:
             first = dp_rank * MICROBATCHES
             want = torch.stack(want_losses[step][first : first + MICROBATCHES])
