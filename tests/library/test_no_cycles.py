@@ -62,9 +62,9 @@ def _train(ac: str, offload: bool, steps: int, after: Callable[[str], None]) -> 
     import torch
 
     from shardwise.api import default_mesh
+    from shardwise_app.models.gpt import GPT, GPTConfig
     from shardwise_plan import Policy
     from shardwise_plan.setup import apply_policy, lm_loss, make_optimizer, token_batch
-    from shardwise_app.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=16, n_layer=3, n_head=2, d_model=32))
