@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from . import collectives
+from . import collectives, pipeline
 from .extensions import Extension, has_hooks
 from .fsdp_module import FSDPModule
 from .module import ModuleState, outside_compile
@@ -178,6 +178,7 @@ def fully_shard(
         _taken[id(p)] = weakref.ref(p)
     for m in modules:
         m._shardwise_state = state  # type: ignore[assignment]
+        pipeline.register(m)  # torch's fully_shard.state(m) finds it (pipeline.py)
         m.register_forward_pre_hook(
             outside_compile(state.pre_forward), prepend=True, with_kwargs=True
         )
@@ -505,3 +506,8 @@ def hsdp_mesh(replicate: int, device_type: str | None = None) -> DeviceMesh:
     return collectives.device_mesh(
         device_type, (replicate, world // replicate), ("replicate", "shard")
     )
+
+
+# torch's pipelining runtime calls fully_shard.state(stage_module) (pipeline.py);
+# patch_fsdp2's stand-in copies this attribute with the function's others.
+fully_shard.state = pipeline.state  # type: ignore[attr-defined]

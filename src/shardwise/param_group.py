@@ -28,6 +28,7 @@ installed parameters, ``.grad``. Nothing below it names it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -326,6 +327,10 @@ class ParamGroup:
                 return
             out = track(trainable, self.anchor)
             out = out if isinstance(out, tuple) else (out,)
+            # A view each: every parameter gets a gradient node of its own (the
+            # function's node is shared by the group), which pipeline parallel's
+            # zero-bubble weight pass looks up per parameter (pipeline.py).
+            out = tuple(t.view_as(t) for t in out)
             if not recompute:
                 self._forward_node = out[0].grad_fn
             if self.has_tp:
@@ -352,8 +357,34 @@ class ParamGroup:
         return self.attachment is not None
 
     def detach_autograd(self) -> None:
-        """Forget the forward pass's attachment (a new forward needs a new one)."""
-        self.attachment = None
+        """Forget the forward pass's attachment (a new forward needs a new one),
+        unless the group stays gathered (``keeps_attachment``)."""
+        if not self.keeps_attachment():
+            self.attachment = None
+
+    def keeps_attachment(self) -> bool:
+        """Whether the next forward reuses this one's tracked parameters: the group is
+        still gathered from it, and no optimizer step changed the shards since (the
+        microbatches of a step, kept gathered). Pipeline parallel's zero-bubble
+        schedules need it: their weight pass finds a microbatch's parameters through
+        ``module.parameters()``, after other microbatches' forwards (pipeline.py).
+        Gathered anew, a forward makes a new attachment."""
+        return self.state is GroupState.UNSHARDED and not self.stale()
+
+    def take_tensor_grads(self) -> None:
+        """Add the gradients written to the tracked parameters' ``.grad`` (pipeline
+        parallel's zero-bubble weight pass writes them there instead of running the
+        post-backward) to the local sum, and clear them."""
+        att = self.attachment
+        if att is None:
+            return
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        with warnings.catch_warnings():  # .grad of a non-leaf: read on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            for sp, t in zip(att.params, att.tensors):
+                grads[sp.index], t.grad = t.grad, None
+        if any(g is not None for g in grads):
+            self.accumulate(grads)
 
     def reshard(self, keep: bool = False) -> None:
         """Free the unsharded parameters. ``keep``: after forward, with a post-forward
@@ -390,10 +421,12 @@ class ParamGroup:
 
     def new_forward(self) -> None:
         """A root forward starts: it makes its own attachment (one per module per
-        forward), and a part kept after forward (``reshard_after_forward=int``) for a
+        forward; the one of a group still gathered is kept, ``keeps_attachment``),
+        and a part kept after forward (``reshard_after_forward=int``) for a
         backward that never came is stale once the optimizer has stepped: gather anew."""
         self.kept = None
-        self.attachment = None
+        if not self.keeps_attachment():
+            self.attachment = None
 
     @property
     def unsharded_bytes(self) -> int:

@@ -15,7 +15,9 @@ shardwise import fully_shard``. Likewise only attributes that *are* torch's
 objects are swapped.
 
 What is routed: ``fully_shard``, ``register_fsdp_forward_method`` and
-``share_comm_ctx``. Not the classes: ``FSDPModule`` stays torch's, and the
+``share_comm_ctx``. A stand-in carries its function's attributes:
+``fully_shard.state``, which torch's pipelining calls through the name it
+bound at import (pipeline.py). Not the classes: ``FSDPModule`` stays torch's, and the
 modules shardwise shards are instances of it (fsdp_module.py), so
 ``isinstance`` checks in frameworks find them; torch's
 ``MixedPrecisionPolicy``, ``CPUOffloadPolicy`` and ``OffloadPolicy`` are

@@ -97,6 +97,7 @@ LAYERS: list[tuple[str, ...]] = [
     # The public calls and what they are built from.
     ("patch", "checkpoint", "optimizer_in_backward", "observe", "clip", "materialize"),
     ("api",),
+    ("pipeline",),  # fully_shard.state for torch.distributed.pipelining (an adapter)
     ("fsdp_module",),
     # The runtime.
     ("module",),  # one module's hooks (ModuleState)

@@ -397,19 +397,10 @@ def _launch(key: str, checks: dict[str, Callable[[int, int], None]]) -> dict[str
     return found
 
 
-_NOT_YET = {
-    "patched": "stage.py's fully_shard is patch_fsdp2's stand-in, which has no .state",
-    "direct": "torch's fully_shard.state(module) is None for a shardwise module",
-}
-
-
 def _param(name: str) -> Any:
-    mode = name.rsplit("-", 1)[1]
     if name in BAD:
         reason = "shardwise does not check a pipeline stage's sharding yet"
         return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
-    if mode in _NOT_YET:
-        return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=_NOT_YET[mode]))
     return name
 
 
