@@ -327,12 +327,13 @@ class ParamGroup:
                 return
             out = track(trainable, self.anchor)
             out = out if isinstance(out, tuple) else (out,)
+            if not recompute:
+                # The function's node, which runs once any parameter has a gradient.
+                self._forward_node = out[0].grad_fn
             # A view each: every parameter gets a gradient node of its own (the
             # function's node is shared by the group), which pipeline parallel's
             # zero-bubble weight pass looks up per parameter (pipeline.py).
             out = tuple(t.view_as(t) for t in out)
-            if not recompute:
-                self._forward_node = out[0].grad_fn
             if self.has_tp:
                 out = tuple(t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(trainable, out))
             self.attachment = Attachment(trainable, out)
