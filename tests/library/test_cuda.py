@@ -238,9 +238,9 @@ def offload_peak_worker(rank: int, world: int) -> dict[str, Any]:
     (which makes the optimizer state), and what the device holds before the model."""
     from shardwise import offload
     from shardwise.api import default_mesh
+    from shardwise_app.models.gpt import GPT, GPTConfig
     from shardwise_plan import Policy
     from shardwise_plan.setup import apply_policy, lm_loss, make_optimizer, token_batch
-    from shardwise_app.models.gpt import GPT, GPTConfig
 
     dev = torch.device("cuda", torch.cuda.current_device())
     # cuBLAS's workspaces, one per thread that multiplies (this one in forward,
@@ -276,8 +276,8 @@ def offload_peak_worker(rank: int, world: int) -> dict[str, Any]:
 
 def _offload_plan(compute: str = "rates") -> dict[str, Any]:
     """The planner on the offloaded GPT the tests below run: its peak and how it timed."""
-    from shardwise_plan import H200, Policy, plan
     from shardwise_app.models.gpt import GPT, GPTConfig
+    from shardwise_plan import H200, Policy, plan
 
     p = plan(
         lambda: GPT(GPTConfig(**OFFLOAD_GPT)),  # type: ignore[arg-type]
