@@ -203,8 +203,10 @@ class ModuleLifecycle:
         self.backward_done = False
         if self.group is not None:
             # A forward recomputed with its hooks (checkpoint around the module)
-            # builds a new graph: it makes a new attachment, once per backward.
-            # Pre-backward hooks carry their own forward's attachment.
+            # builds a new graph: it makes a new attachment, once per backward,
+            # unless the group is still gathered from its forward (the attachment
+            # kept, ``keeps_attachment``). Pre-backward hooks carry their own
+            # forward's attachment.
             self.group.detach_autograd()
 
     def backward_finished(self) -> None:

@@ -369,8 +369,15 @@ class ParamGroup:
         microbatches of a step, kept gathered). Pipeline parallel's zero-bubble
         schedules need it: their weight pass finds a microbatch's parameters through
         ``module.parameters()``, after other microbatches' forwards (pipeline.py).
-        Gathered anew, a forward makes a new attachment."""
-        return self.state is GroupState.UNSHARDED and not self.stale()
+        Gathered anew, or with other parameters trainable now (frozen or unfrozen
+        since), a forward makes a new attachment."""
+        att = self.attachment
+        if att is None or self.state is not GroupState.UNSHARDED or self.stale():
+            return False
+        trainable = self.trainable
+        return len(trainable) == len(att.params) and all(
+            a is b for a, b in zip(att.params, trainable)
+        )
 
     def take_tensor_grads(self) -> None:
         """Add the gradients written to the tracked parameters' ``.grad`` (pipeline

@@ -137,11 +137,17 @@ class PipelineState:
 
     def _root_post_backward_final_callback(self) -> None:
         """What a synced backward's end does: finish the reductions in flight (their
-        shards land on ``.grad``) and wait for their copies to the host."""
-        contexts = {id(s.context): s.context for s in self._states() if s.context is not None}
+        shards land on ``.grad``), wait for their copies to the host and for
+        optimizer_in_backward's steps, and end every module's backward (else its
+        ``backward_done`` would stop the next step's forward from prefetching it)."""
+        states = self._states()
+        contexts = {id(s.context): s.context for s in states if s.context is not None}
         for ctx in contexts.values():
             root.finish_reduces(ctx)
             ctx.wait_downloads()
+            root.wait_steps(ctx)
+        for s in states:
+            s.backward_ends()
 
 
 def state(module: nn.Module) -> Any:

@@ -188,6 +188,58 @@ def test_requires_grad_changed_after_fully_shard(world: int) -> None:
     run_distributed(requires_grad_worker, world)
 
 
+def frozen_between_microbatches_worker(rank: int, world: int) -> None:
+    """Modules kept gathered between two microbatches (``reshard_after_forward=False``,
+    not resharded after backward, gradient sync off for the first) with a parameter
+    frozen and another unfrozen between them: the second microbatch's forward hands
+    out what is trainable now, not the first's attachment, as one process does."""
+    torch.manual_seed(0)
+    ref = Net()
+    for p in ref.stages[1].b.parameters():
+        p.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    shard_net(model, {"raf": False})
+    idx = batches(1)[0]
+    mine = idx.chunk(world)[rank]
+    half = mine.shape[0] // 2
+    microbatches = [mine[:half], mine[half:]]
+    whole = [torch.cat([c[:half] for c in idx.chunk(world)]), None]
+    whole[1] = torch.cat([c[half:] for c in idx.chunk(world)])
+
+    # Taken before any forward, as an optimizer holds them: while a module is gathered
+    # its attributes are the tracked unsharded tensors, whose flags cannot change.
+    sharded = dict(model.named_parameters())
+
+    def flip(m: nn.Module) -> None:
+        for n, p in (sharded if m is model else dict(m.named_parameters())).items():
+            if n == "stages.0.b.fc1.weight":
+                p.requires_grad_(False)
+            elif n.startswith("stages.1.b."):
+                p.requires_grad_(True)
+
+    model.set_reshard_after_backward(False)
+    for i, (mb, ref_mb) in enumerate(zip(microbatches, whole)):
+        if i == 1:
+            flip(model)
+            flip(ref)
+        model.set_requires_gradient_sync(i == 1)
+        loss_fn(model, mb).backward()
+        loss_fn(ref, ref_mb).backward()
+    for (n, p), (_, rp) in zip(sharded.items(), ref.named_parameters()):
+        assert (p.grad is None) == (rp.grad is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: the parameter frozen between the microbatches ends with a gradient "
+    "unlike one process's (so did the runtime before the attachment was kept)",
+)
+def test_requires_grad_changed_between_microbatches_while_kept_gathered() -> None:
+    run_distributed(frozen_between_microbatches_worker, 2)
+
+
 # ---- the model cast to another dtype after fully_shard -------------------------------------------
 
 
