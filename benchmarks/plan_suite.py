@@ -128,19 +128,10 @@ def predict(argv: list[str], compute: str) -> tuple[Any, Any, int]:
 
 def measure_row(args: Any, p: Any, seq: int, launches: int | None) -> dict[str, Any]:
     """The row run here, as ``shardwise plan --measure`` runs it."""
-    from shardwise_plan.measure import Run, measure
+    from shardwise_app.cli.plan_measure import measured_run
+    from shardwise_plan.measure import measure
 
-    run = Run(
-        build="shardwise_app.cli.plan:build_model",
-        build_args=(args.model, seq),
-        world_size=args.world_size,
-        batch_size=args.batch_size,
-        seq_len=seq,
-        policy=p.policy,
-        hsdp=args.hsdp,
-        optimizer=p.optimizer,
-    )
-    return measure(run, launches)
+    return measure(measured_run(args, p, seq), launches)
 
 
 def run_suite(

@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 
-def measure_and_compare(args: Any, predicted: Any, seq: int) -> dict[str, Any]:
-    """Run ``predicted``'s configuration at ``--world-size`` ranks here, print predicted
-    vs measured, return the measured figures."""
-    from shardwise_plan.measure import Run, RunFailed, measure
+def measured_run(args: Any, predicted: Any, seq: int) -> Any:
+    """The run that measures ``predicted``'s configuration (``shardwise_plan.measure.Run``)
+    at ``--world-size`` ranks here: the flags' model, batch and mesh, the plan's policy."""
+    from shardwise_plan.measure import Run
 
-    run = Run(
+    return Run(
         build="shardwise_app.cli.plan:build_model",
         build_args=(args.model, seq),
         world_size=args.world_size,
@@ -26,6 +26,14 @@ def measure_and_compare(args: Any, predicted: Any, seq: int) -> dict[str, Any]:
         hsdp=args.hsdp,
         optimizer=predicted.optimizer,
     )
+
+
+def measure_and_compare(args: Any, predicted: Any, seq: int) -> dict[str, Any]:
+    """Run ``predicted``'s configuration at ``--world-size`` ranks here, print predicted
+    vs measured, return the measured figures."""
+    from shardwise_plan.measure import RunFailed, measure
+
+    run = measured_run(args, predicted, seq)
     try:
         measured = measure(run, args.launches)
     except RunFailed as e:
