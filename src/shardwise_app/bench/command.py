@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..cli.common import cannot_create
 from .jobs import Job, hook_overhead_us, run_job
 from .models import HF_AC, BenchUsageError, ModelSpec, flops_per_token, resolve
 from .tables import add_ratios, plot, print_memory_table, print_table
@@ -385,14 +386,9 @@ def _check_writable(flag: str, path: Path) -> None:
     if not folder.is_dir():  # not made for it: a typo in a folder's name is told, not obeyed
         why = "is a file, not a folder" if folder.exists() else "does not exist"
         raise BenchUsageError(f"{flag} {path}: cannot write it ({folder} {why})")
-    existed = path.exists()
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise BenchUsageError(f"{flag} {path}: cannot write it ({e.strerror})") from None
-    if not existed:
-        path.unlink()  # bad input or not, nothing is left behind before the run
+    refused = cannot_create(path)  # bad input or not, nothing is left behind before the run
+    if refused is not None:
+        raise BenchUsageError(f"{flag} {path}: cannot write it ({refused})")
 
 
 if __name__ == "__main__":

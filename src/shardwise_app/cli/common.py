@@ -46,6 +46,21 @@ def check_writable(folder: Path, said: str) -> None:
         raise UsageError(f"{said}: cannot write in {existing} ({e.strerror})") from None
 
 
+def cannot_create(path: Path) -> str | None:
+    """Why ``path`` (a file a command writes at its end) cannot be written, tried now:
+    opened for appending, and removed again if it was new, so that nothing is left
+    behind before the work starts. None: it can."""
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        path.unlink()
+    return None
+
+
 # ---- Ctrl-C while importing -----------------------------------------------------------------
 
 _interrupted: list[int] = []

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .common import UsageError
+from .common import UsageError, cannot_create
 
 
 def parse_raf(text: str) -> bool | int:
@@ -52,11 +52,6 @@ def check_output(path: str, flag: str) -> None:
     parent = p.parent
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: there is no folder {str(parent)!r}")
-    existed = p.exists()
-    try:
-        with open(p, "a"):
-            pass
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write it ({e.strerror})") from None
-    if not existed:
-        p.unlink()
+    why = cannot_create(p)
+    if why is not None:
+        raise UsageError(f"{flag} {path}: cannot write it ({why})")
