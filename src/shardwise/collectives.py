@@ -41,6 +41,9 @@ class CollectiveRecord:
     label: str  # the module's name, for humans
     op: str = ""  # reductions: "sum" (then divided, if at all), "avg" (inside it), "max" (clipping)
     parts: int = 1  # tensors in it: gloo runs each as a collective of its own
+    # The group's world ranks, in its order: which links the bytes cross
+    # (node_collectives.LinkBytes). Empty where a record is made by hand.
+    ranks: tuple[int, ...] = ()
 
 
 Observer = Callable[[CollectiveRecord, "Pending"], None]
@@ -116,11 +119,26 @@ class Pending:
         for fn in self.on_done:
             fn(self)
 
+    def settle(self) -> None:
+        """``wait`` without telling the wait observers: for a collective that is one
+        stage of another (node_collectives.py), whose own ``wait`` is the one compute
+        waits in (a nested wait would count the same time twice)."""
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            self._then()
+        self.done = True
+        for fn in self.on_done:
+            fn(self)
+
 
 def _notify(
     kind: str,
     t: torch.Tensor,
-    group_size: int,
+    group: dist.ProcessGroup | None,
     label: str,
     p: Pending,
     op: str = "",
@@ -130,7 +148,8 @@ def _notify(
     if _observers:
         n = t.numel() if numel is None else numel
         size = n * t.element_size()
-        rec = CollectiveRecord(kind, t.dtype, n, size, group_size, label, op, parts)
+        ranks = tuple(group_ranks(group) if group is not None else range(dist.get_world_size()))
+        rec = CollectiveRecord(kind, t.dtype, n, size, len(ranks), label, op, parts, ranks)
         for fn in list(_observers):
             fn(rec, p)
 
@@ -141,12 +160,14 @@ def all_gather(
     group: dist.ProcessGroup,
     label: str = "",
     comm: Any = None,
+    then: Callable[[], object] | None = None,
 ) -> Pending:
     """Gather every rank's ``input`` into ``output`` (rank-major), asynchronously.
 
     ``comm``: a user's all-gather (``FSDPModule.set_custom_all_gather``),
     called as FSDP2 calls it: ``comm(output_tensor=..., input_tensor=...,
     group=..., async_op=True)``, returning a work handle or None.
+    ``then``: run once it is waited for (a dequantization).
     """
     if comm is None and _on_side_stream():
         _all_gather(output, input, group=group, async_op=False)
@@ -155,8 +176,8 @@ def all_gather(
         work = _all_gather(output, input, group=group, async_op=True)
     else:
         work = comm(output_tensor=output, input_tensor=input, group=group, async_op=True)
-    p = Pending(work, label=label, kind="all_gather")
-    _notify("all_gather", output, dist.get_world_size(group), label, p)
+    p = Pending(work, then=then, label=label, kind="all_gather")
+    _notify("all_gather", output, group, label, p)
     return p
 
 
@@ -194,7 +215,7 @@ def all_gather_each(
     _notify(
         "all_gather",
         outputs[0],
-        dist.get_world_size(group),
+        group,
         label,
         p,
         numel=numel,
@@ -242,7 +263,7 @@ def reduce_scatter(
         )
     then = None if divide_by is None else (lambda: output.div_(divide_by))
     p = Pending(work, then=then, label=label, kind="reduce_scatter")
-    _notify("reduce_scatter", input, n, label, p, "avg" if op == dist.ReduceOp.AVG else "sum")
+    _notify("reduce_scatter", input, group, label, p, "avg" if op == dist.ReduceOp.AVG else "sum")
     return p
 
 
@@ -263,12 +284,30 @@ def all_reduce(
 ) -> Pending:
     """Sum (or ``op="max"``) ``tensor`` in place over the group (HSDP's replicate
     dimension; ``None``: the world, as gradient clipping's norm), then divide."""
-    n = dist.get_world_size(group)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
     then = None if divide_by is None else (lambda: tensor.div_(divide_by))
     p = Pending(work, then=then, label=label, kind="all_reduce")
-    _notify("all_reduce", tensor, n, label, p, op)
+    _notify("all_reduce", tensor, group, label, p, op)
+    return p
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    label: str = "",
+    then: Callable[[], object] | None = None,
+) -> Pending:
+    """Send row j of ``input`` (``[group size, ...]``, equal rows) to member j; row i of
+    ``output`` is what member i sent this rank. ``then``: run once waited for."""
+    if _on_side_stream():
+        dist.all_to_all_single(output, input, group=group, async_op=False)
+        work: Any = StreamWork()
+    else:
+        work = dist.all_to_all_single(output, input, group=group, async_op=True)
+    p = Pending(work, then=then, label=label, kind="all_to_all")
+    _notify("all_to_all", input, group, label, p)
     return p
 
 
@@ -316,6 +355,19 @@ def new_group(ranks: list[int]) -> dist.ProcessGroup:
     return group
 
 
+_subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def subgroup(ranks: list[int]) -> dist.ProcessGroup:
+    """``new_group(ranks)``, made once per set of ranks and shared (a node's ranks serve
+    both ``reshard_after_forward=n`` and the hierarchical reduction). Its members call it."""
+    key = tuple(ranks)
+    group = _subgroups.get(key)
+    if group is None:
+        group = _subgroups[key] = new_group(list(ranks))
+    return group
+
+
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (the world; pickled, for small things)."""
     out: list[Any] = [None] * world_size()
@@ -341,7 +393,7 @@ def broadcast(tensor: torch.Tensor, label: str = "") -> None:
     """Rank 0's ``tensor`` into every rank's, in place, waited for."""
     work = dist.broadcast(tensor, src=0, async_op=True)
     p = Pending(work, label=label, kind="broadcast")
-    _notify("broadcast", tensor, world_size(), label, p)
+    _notify("broadcast", tensor, None, label, p)
     p.wait()
 
 
@@ -412,6 +464,12 @@ _side_depth = 0  # > 0 while issuing inside side_stream() on a GPU
 
 
 def _on_side_stream() -> bool:
+    return _side_depth > 0
+
+
+def on_side_stream() -> bool:
+    """Whether a collective issued now runs inside ``side_stream`` on a GPU (in stream
+    order: what follows it on the stream may read its output at once)."""
     return _side_depth > 0
 
 

@@ -56,7 +56,8 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from . import collectives, offload
+from . import collectives, node_collectives, offload
+from .comm_policy import CommPolicy
 from .flat_shard import FlatShard
 from .labels import label
 
@@ -70,6 +71,7 @@ class GatherComm:
     alloc: collectives.Allocator | None  # gather outputs' allocator (None: the caching one)
     post_forward_group: ProcessGroup | None  # reshard_after_forward=n's n ranks
     offload: bool  # the shards live in host memory: uploaded first
+    policy: CommPolicy | None = None  # quantize_gather: gathers through int8/fp8 blocks
 
 
 class Gather:
@@ -90,7 +92,12 @@ class Gather:
         )
         self.buffers: tuple[torch.Tensor, ...] = ()  # what the collective in flight uses
 
-    def issue(self, kept: torch.Tensor | None) -> collectives.Pending | None:
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
+        """Start the gather; ``backward``: for backward's gradients (a pre-backward or a
+        backward prefetch; not a recomputed forward), which ``CommPolicy(quantize_gather=
+        "forward")`` gathers at full precision."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -110,7 +117,9 @@ class Aliased(Gather):
 
     name = "aliased"
 
-    def issue(self, kept: torch.Tensor | None) -> collectives.Pending | None:
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
         return None
 
 
@@ -119,7 +128,9 @@ class CastNow(Gather):
 
     name = "cast"
 
-    def issue(self, kept: torch.Tensor | None) -> collectives.Pending | None:
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
         f = self.layout
         f.allocate_unsharded()
         with label("gather"):
@@ -133,7 +144,9 @@ class CastBeside(Gather):
 
     name = "cast beside"
 
-    def issue(self, kept: torch.Tensor | None) -> collectives.Pending | None:
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
         f = self.layout
         f.allocate_unsharded()
         with collectives.side_stream("gather", f.device), label("gather"):
@@ -149,7 +162,9 @@ class InPlace(Gather):
 
     name = "in place"
 
-    def issue(self, kept: torch.Tensor | None) -> collectives.Pending | None:
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
         f = self.layout
         f.allocate_unsharded()
         outs, slots, shards, sizes = f.in_place
@@ -183,7 +198,9 @@ class RankMajor(Gather):
             self.comm.alloc, f.world * f.shard_numel, f.compute_dtype, f.device
         )
 
-    def issue(self, kept: torch.Tensor | None) -> collectives.Pending | None:
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
         f = self.layout
         # The parameters' storage is allocated only at the copy-out: a gather in
         # flight (a prefetch) holds one buffer, not two.
@@ -233,10 +250,12 @@ class AfterForwardPart(RankMajor):
         self.name = f"{inner.name}, post-forward part"
         self._from_kept = False
 
-    def issue(self, kept: torch.Tensor | None) -> collectives.Pending | None:
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
         self._from_kept = kept is not None
         if kept is None:
-            return self.inner.issue(None)
+            return self.inner.issue(None, backward)
         assert self.comm.post_forward_group is not None
         with label("gather"):
             out = self._output()
@@ -257,6 +276,65 @@ class AfterForwardPart(RankMajor):
         self.inner.drop()
 
 
+class Quantized(RankMajor):
+    """``CommPolicy.quantize_gather`` (qwZ): this rank's flat shard in int8 (or fp8)
+    blocks with their scales, one byte-row all-gather, dequantized into a rank-major
+    buffer in the compute dtype when waited for, then copied out as ``RankMajor``
+    does. Gathers the policy keeps at full precision (backward's, under
+    ``"forward"``) are ``full``'s, the way the group gathers without the policy.
+
+    It quantizes the flat shard as stored (fp32 master weights, say), not its cast
+    to ``param_dtype``: one rounding, not two.
+
+    Alternatives considered. Dequantizing straight into the parameters' storage
+    (no rank-major buffer): a block spans parameters, so each parameter would
+    need its blocks' scales sliced out; one buffer and the copy-out ``RankMajor``
+    already has cost one more copy of the unsharded parameters, on the compute
+    stream. Quantizing the kept part of ``reshard_after_forward=n`` as well:
+    that gather stays inside the node, where bytes are cheap.
+    """
+
+    name = "quantized"
+
+    def __init__(self, layout: FlatShard, comm: GatherComm, full: Gather) -> None:
+        super().__init__(layout, comm)
+        assert comm.policy is not None
+        self.policy = comm.policy
+        self.full = full
+        self._quantized = False
+
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
+        self._quantized = self.policy.quantizes_gather(backward)
+        if not self._quantized:
+            return self.full.issue(kept, backward)
+        f, p = self.layout, self.policy
+        with label("gather"):
+            # Allocated on the compute stream, before the side stream (its docstring).
+            out = self._output().view(f.world, f.shard_numel)
+            send, recv = node_collectives.quantized_buffers(
+                f.shard_numel, f.world, p.block_size, f.device, self.comm.alloc
+            )
+            with collectives.side_stream("gather", f.device):
+                pending = node_collectives.quantized_all_gather(
+                    out, self._uploaded(), send, recv, self.comm.group, f.label,
+                    p.block_size, p.quant_dtype,
+                )  # fmt: skip
+        self.buffers = (send, recv, out)
+        return pending
+
+    def finish(self) -> None:
+        if self._quantized:
+            super().finish()
+        else:
+            self.full.finish()
+
+    def drop(self) -> None:
+        self.buffers = ()
+        self.full.drop()
+
+
 class Packed(Gather):
     """Parameters that gather themselves (extensions.py): one byte-packed all-gather,
     unpacked and handed to their ``post`` hooks (``PackedGather``)."""
@@ -267,7 +345,9 @@ class Packed(Gather):
         super().__init__(layout, comm)
         self.packed = packed
 
-    def issue(self, kept: torch.Tensor | None) -> collectives.Pending | None:
+    def issue(
+        self, kept: torch.Tensor | None, backward: bool = False
+    ) -> collectives.Pending | None:
         with label("gather"):
             send, out, pending = self.packed.issue(self.layout, self.comm)
         self.buffers = (send, out)
@@ -297,6 +377,9 @@ def choose(layout: FlatShard, comm: GatherComm, packed: PackedGather | None) -> 
         way: Gather = InPlace(layout, comm)
     else:
         way = RankMajor(layout, comm)
+    # A user's all-gather is called with the parameters' dtype, as FSDP2 calls it: it wins.
+    if comm.policy is not None and comm.policy.quantize_gather != "none" and comm.custom is None:
+        way = Quantized(layout, comm, way)
     if comm.post_forward_group is not None:
         return AfterForwardPart(layout, comm, way)
     return way

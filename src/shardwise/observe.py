@@ -22,6 +22,10 @@ should be quick: they run once per module per step.
   "release" when the device tensor a download read is let go. Under an
   offload policy every upload and download makes a tensor with its own
   storage, also on a CPU run.
+- ``LinkBytes(node_size)``: a collective observer that sums the bytes this
+  rank sends inside its node and to other nodes (``.intra``, ``.inter``,
+  ``.by_kind``), under a stated model of each collective (direct or ring;
+  its docstring). ``CollectiveRecord.ranks`` names the group's world ranks.
 - ``LABELS``, ``PREFIX``, ``memory_labels()``: the scopes the runtime names its
   work by in torch's profiler (``record_function("shardwise::gather")``)
   and, inside ``memory_labels()``, in the CUDA allocator's record.
@@ -34,12 +38,14 @@ from __future__ import annotations
 from .collectives import CollectiveRecord, Pending, add_wait_observer
 from .collectives import add_observer as add_collective_observer
 from .labels import LABELS, PREFIX, memory_labels
+from .node_collectives import LinkBytes
 from .offload import Transfer, add_transfer_observer
 
 __all__ = [
     "LABELS",
     "PREFIX",
     "CollectiveRecord",
+    "LinkBytes",
     "Pending",
     "Transfer",
     "add_collective_observer",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from . import collectives, offload
+from . import collectives, node_collectives, offload
 from .flat_shard import FlatShard
 from .labels import label
 from .settings import GroupSettings
@@ -147,6 +147,8 @@ class ReduceJob:
                     _record_stream(filled, device)
                     work = collectives.StreamWork(device)
                 self._pending = collectives.Pending(work, label=g.label, kind="cast")
+            elif (nodes := _node_split(g, settings)) is not None:
+                self._pending = self._hierarchical(nodes, filled, slots, numel)
             else:
                 rs_in = collectives.comm_buffer(alloc, g.world * numel, g.reduce_dtype, device)
                 self._rs_in = rs_in.view(g.world, numel)
@@ -163,6 +165,36 @@ class ReduceJob:
                         sum_only=settings.force_sum,
                     )
         self.shards = []
+
+    def _hierarchical(
+        self,
+        nodes: node_collectives.NodeGroups,
+        filled: list[torch.Tensor],
+        slots: list[int],
+        numel: int,
+    ) -> collectives.Pending:
+        """``CommPolicy.quantize_reduce`` (qgZ): the copy-in lays the pieces out node-major
+        (``node_collectives.node_major``), then the two-step reduce-scatter, which leaves
+        in ``out`` what the flat one would, divided the same way."""
+        g, settings = self.layout, self.settings
+        policy = settings.comm_policy
+        assert policy is not None
+        rs_in = collectives.comm_buffer(
+            settings.comm_alloc, g.world * numel, g.reduce_dtype, g.device
+        )
+        self._rs_in = rs_in
+        with collectives.side_stream("reduce", g.device):
+            _copy_in_nodes(filled, slots, node_collectives.node_major(rs_in, nodes), rs_in)
+            _record_stream(filled, g.device)
+            return node_collectives.hierarchical_reduce_scatter(
+                self.out,
+                rs_in,
+                nodes,
+                g.label,
+                divide_by=None if settings.divide_factor is not None else g.world,
+                block=policy.block_size,
+                qdtype=policy.quant_dtype,
+            )
 
     @property
     def overlaps(self) -> bool:
@@ -288,6 +320,37 @@ def _copy_in(filled: list[torch.Tensor], slots: list[int], out: torch.Tensor) ->
         torch._foreach_copy_(dsts, srcs)
     else:  # an empty parameter (slot 0) holds no column; _chunk_cat refuses it
         torch._chunk_cat([t for t in filled if t.numel()], dim=0, num_chunks=world, out=out)
+
+
+def _node_split(g: FlatShard, settings: GroupSettings) -> node_collectives.NodeGroups | None:
+    """The node groups a ``quantize_reduce`` policy reduces through; None where the flat
+    reduce-scatter runs: no such policy, a user's reduce-scatter (called as FSDP2 calls
+    it), or a group that is one node or that the node size does not split."""
+    policy = settings.comm_policy
+    if policy is None or not policy.quantize_reduce or settings.custom_reduce_scatter is not None:
+        return None
+    node = policy.node_size
+    if node is None or node >= g.world or g.world % node:
+        return None
+    return node_collectives.node_groups(settings.reduce_scatter_group, node)
+
+
+def _copy_in_nodes(
+    filled: list[torch.Tensor], slots: list[int], nodes: torch.Tensor, flat: torch.Tensor
+) -> None:
+    """``_copy_in`` into the node-major buffer ``flat``, seen through ``nodes`` (its
+    ``[N, L, sum(slots)]`` view, rank ``k * L + l`` at ``[k, l]``): each tensor that
+    splits evenly into one piece per rank is copied as ``[N, L, slot]`` into its
+    strided column, all in one ``_foreach_copy_``; otherwise (uneven, padded pieces)
+    rank-major into a buffer first, then permuted in one copy."""
+    N, L, numel = nodes.shape
+    if all(t.is_contiguous() and t.numel() == N * L * s for t, s in zip(filled, slots)):
+        srcs = [t.view(N, L, s) for t, s in zip(filled, slots)]
+        torch._foreach_copy_(list(nodes.split(slots, dim=2)), srcs)
+        return
+    rank_major = torch.empty(N * L, numel, dtype=flat.dtype, device=flat.device)
+    _copy_in(filled, slots, rank_major)
+    nodes.copy_(rank_major.view(N, L, numel))
 
 
 def _record_stream(tensors: list[torch.Tensor], device: torch.device) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .comm_policy import CommPolicy
 from .offload import CPUOffloadPolicy
 from .precision import MixedPrecisionPolicy
 
@@ -53,3 +54,7 @@ class GroupSettings:
     custom_all_gather: Any = None
     comm_alloc: Any = None  # where gather outputs and reduction buffers come from
     post_forward_group: Any = None  # reshard_after_forward=int: backward gathers over n ranks
+    # Quantized and node-local collectives (comm_policy.py; checked by ``comm_policy.check``
+    # before it is written here). The reduction reads ``quantize_reduce`` as it runs; the
+    # gather is re-chosen when it changes (pass it in ``GatherComm.policy``).
+    comm_policy: CommPolicy | None = None
