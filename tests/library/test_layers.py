@@ -112,8 +112,10 @@ LAYERS: list[tuple[str, ...]] = [
     # Below everything: the timeline, settings, the copies, the collectives, the labels.
     ("trace",),
     ("settings", "checkpoint_integrity"),
-    ("precision", "tensor_parallel", "collectives", "offload"),
-    ("containers", "labels"),
+    # Collectives that know the node boundary, composed of collectives.py's calls.
+    ("node_collectives",),
+    ("precision", "tensor_parallel", "collectives", "offload", "comm_policy"),
+    ("containers", "labels", "quantize"),
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 RUNTIME_FILES = sorted(p.stem for p in RUNTIME.glob("*.py") if p.name not in RUN_ONLY)
