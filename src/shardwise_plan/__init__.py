@@ -13,14 +13,17 @@ through ``shardwise.observe``) and replays the step against a machine's rates
 memory budget. The library never imports this package.
 """
 
+from .comm import COMM_NAMES, CommPolicy, parse_comm
 from .hardware import B200, CPU, H100, H200, HARDWARE, Hardware
 from .optimizers import OPTIMIZERS
-from .plan import GIB, NothingFits, Plan, candidate_policies, fastest_within, plan
+from .plan import GIB, NothingFits, Plan, candidate_policies, fastest_within, plan, replan
 from .policy import Policy
 
 __all__ = [
     "B200",
+    "COMM_NAMES",
     "CPU",
+    "CommPolicy",
     "GIB",
     "H100",
     "H200",
@@ -32,5 +35,7 @@ __all__ = [
     "Policy",
     "candidate_policies",
     "fastest_within",
+    "parse_comm",
     "plan",
+    "replan",
 ]

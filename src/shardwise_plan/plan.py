@@ -3,7 +3,8 @@
 One call simulates one rank (simulate.py), replays its step against the
 target's rates (timeline.py) and says it as a ``Plan``; with a budget it
 tries the policies a user would (checkpointing, resharding, offload,
-prefetch depth) and returns the fastest that fits. Rank 0 is simulated: it
+prefetch depth, and where asked the communication policies of comm.py) and
+returns the fastest that fits. Rank 0 is simulated: it
 holds the most rows when a dimension does not split evenly, so its peak is
 every rank's at most.
 """
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .comm import CommModel, CommPolicy
 from .hardware import H200, Hardware
 from .local_step import HostStep, Layout, host_optimizer_seconds, local_step_seconds
 from .op_costs import measure
@@ -62,13 +64,18 @@ class Plan:
     peak_by_kind: dict[str, int]
     host_bytes: dict[str, int]  # offloaded state, on the host, at the device's peak
     host_peak_bytes: int  # offload: the most host memory live in the step
-    collectives: dict[str, dict[str, int]]
+    # What one rank receives: "bytes_per_rank" by collective, "bytes_per_link" by link
+    # kind (intra, inter node), "bytes_per_link_by_kind"; "whole_bytes": the runtime's.
+    collectives: dict[str, Any]
     time: StepTime
     memory_curve: list[tuple[float, int, str]] = field(default_factory=list)  # (ms, bytes, phase)
     # How compute was timed: {"mode": "rates"} or measured (op_costs.py) with its counts.
     compute: dict[str, Any] = field(default_factory=lambda: {"mode": "rates"})
     # An optimizer asked for by a name the planner does not know: how it was modelled.
     optimizer_note: str = ""
+    # The recorded step and how it was replayed: ``replan`` replays it on other rates.
+    events: list[Any] = field(default_factory=list, repr=False)
+    replay_kw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def step_ms(self) -> float:
@@ -161,6 +168,12 @@ def plan(
     """
     policy = policy or Policy()
     check_world(world_size, hsdp)
+    policy.check()
+    node = policy.comm.node_size or hardware.ranks_per_node
+    check_comm(policy, world_size, hsdp, node)
+    if node != hardware.ranks_per_node:  # the timeline splits intra and inter by it too
+        hardware = replace(hardware, ranks_per_node=node)
+    comm = CommModel(policy.comm, node, world_size, policy.ac != "none", hardware.alloc_round)
     if compute not in COMPUTE_MODES:
         raise ValueError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
     measured = compute == "measured"
@@ -170,7 +183,7 @@ def plan(
     sim = simulate(
         build,
         world_size,
-        policy,
+        runtime_policy(policy, world_size, node),
         hardware,
         batch_size,
         seq_len,
@@ -179,6 +192,7 @@ def plan(
         loss_fn,
         record_calls=measured,
         optimizer=spec.name,
+        comm=comm,
     )
     how: dict[str, Any] = {"mode": compute}
     host_scale = 1.0
@@ -243,15 +257,14 @@ def plan(
                 host_scale=host_scale,
                 threads=torch.get_num_threads(),  # the rank's, as timed here
             )
-    t = replay(
-        sim.events,
-        hardware,
-        world_size,
-        policy.offload,
-        sim.host_params,
+    replay_kw: dict[str, Any] = dict(
+        offload=policy.offload,
+        host_params=sim.host_params,
         host_scale=host_scale,
         host_bytes_per_param=spec.host_bytes_per_param,
+        comm=comm,
     )
+    t = replay(sim.events, hardware, world_size, **replay_kw)
     return Plan(
         world_size=world_size,
         hsdp=hsdp,
@@ -274,7 +287,56 @@ def plan(
         time=t,
         memory_curve=_curve(t.times, sim.events),
         compute=how,
+        events=sim.events,
+        replay_kw=replay_kw,
     )
+
+
+def check_comm(policy: Policy, world: int, hsdp: int, node: int) -> None:
+    """A communication policy that cannot run at this world: ValueError, one line."""
+    comm = policy.comm
+    if (comm.active or comm.node_size is not None) and world > node and world % node:
+        raise ValueError(
+            f"node size {node} does not divide the world size {world}: a world spans whole nodes"
+        )
+    if not comm.active:
+        return
+    if hsdp > 1:
+        raise ValueError(
+            f"communication policy {comm.name()} splits a flat mesh's traffic by node; HSDP "
+            f"(replicate degree {hsdp}) keeps each shard group in its own nodes already: "
+            "give one of the two"
+        )
+    if comm.node_local_backward and policy.reshard_after_forward is not True:
+        raise ValueError(
+            "hpZ reshards after forward to the node (reshard_after_forward=node size): "
+            f"give reshard_after_forward=True, not {policy.reshard_after_forward!r}"
+        )
+
+
+def runtime_policy(policy: Policy, world: int, node: int) -> Policy:
+    """What the runtime runs: hpZ's node copy is ``reshard_after_forward=node size``
+    (FSDP2's int), which a world of one node does not need."""
+    if policy.comm.node_local_backward and world > node:
+        return replace(policy, reshard_after_forward=node)
+    return policy
+
+
+# What ``replan`` needs equal: the memory a plan counts depends on these.
+_MEMORY_FIELDS = ("alloc_round", "blas_workspace", "device", "ranks_per_node")
+
+
+def replan(p: Plan, hardware: Hardware) -> Plan:
+    """``p``'s simulated step replayed on ``hardware``'s rates: the same memory (the
+    target must round and keep memory as ``p``'s does), its own time. Saves the
+    simulation, most of a plan's cost, where only the rates differ (H100 and H200)."""
+    for f in _MEMORY_FIELDS:
+        if getattr(hardware, f) != getattr(p.hardware, f):
+            raise ValueError(f"replan: {hardware.name} differs from {p.hardware.name} in {f}")
+    if p.compute.get("mode") != "rates" or not p.events:
+        raise ValueError("replan replays a plan made with compute='rates'")
+    t = replay(p.events, hardware, p.world_size, **p.replay_kw)
+    return replace(p, hardware=hardware, time=t, memory_curve=_curve(t.times, p.events))
 
 
 COMPUTE_MODES = ("rates", "measured")
@@ -294,20 +356,42 @@ def check_measurable(hardware: Hardware) -> None:
         )
 
 
-def candidate_policies(base: Policy) -> list[Policy]:
-    """The choices a budget search tries: checkpointing, resharding, offload, prefetch depth."""
+def candidate_policies(base: Policy, comms: Iterable[CommPolicy] = ()) -> list[Policy]:
+    """The choices a budget search tries: checkpointing, resharding, offload, prefetch
+    depth, and each of ``comms`` (default: ``base``'s communication policy only). hpZ
+    is a way to reshard after forward: with ``reshard_after_forward=False`` (nothing
+    resharded) it is not tried."""
     out = []
-    for ac, raf, offload, prefetch in itertools.product(
-        ("none", "non-reentrant"), (True, False), (False, True), (1, 2)
+    for ac, raf, offload, prefetch, comm in itertools.product(
+        ("none", "non-reentrant"), (True, False), (False, True), (1, 2), list(comms) or [base.comm]
     ):
+        if comm.node_local_backward and raf is False:
+            continue
         out.append(
-            replace(base, ac=ac, reshard_after_forward=raf, offload=offload, prefetch=prefetch)
+            replace(
+                base,
+                ac=ac,
+                reshard_after_forward=raf,
+                offload=offload,
+                prefetch=prefetch,
+                comm=comm,
+            )
         )
     return out
 
 
-def _frugality(p: Policy) -> tuple[int, int, int, int]:
-    return (p.ac == "none", p.reshard_after_forward is False, not p.offload, p.prefetch)
+def _frugality(p: Policy) -> tuple[int, int, int, int, int, int]:
+    # A policy's own buffers and hpZ's kept node copies are memory too: none is frugal.
+    c = p.comm
+    quantizes = c.quantize_gather != "none" or c.quantize_reduce
+    return (
+        p.ac == "none",
+        p.reshard_after_forward is False,
+        not p.offload,
+        c.node_local_backward,
+        quantizes,
+        p.prefetch,
+    )
 
 
 def fastest_within(
@@ -319,6 +403,7 @@ def fastest_within(
     seq_len: int,
     policies: Iterable[Policy] | None = None,
     base: Policy | None = None,
+    comms: Iterable[CommPolicy] = (),
     **kw: Any,
 ) -> tuple[Plan, list[Plan]]:
     """The fastest predicted policy whose peak fits ``budget_bytes``, and every plan tried.
@@ -327,11 +412,12 @@ def fastest_within(
     reach (on gloo, where a launch's peak lies anywhere between the two ends,
     the upper one; elsewhere it is ``peak_bytes``). A budget is a limit, and
     the middle can be up to half gloo's range under a launch's peak.
+    ``comms``: the communication policies to try (candidate_policies).
     Raises ``NothingFits`` (a ``ValueError``) naming the smallest peak seen. The
-    most frugal candidate (checkpointing, resharding, offload, least prefetch) is
-    tried first: if it does not fit, none will, and the search stops there.
+    most frugal candidate (checkpointing, resharding, offload, no communication
+    policy, least prefetch) is tried first: if it does not fit, none will, and the search stops there.
     """
-    todo = list(policies or candidate_policies(base or Policy()))
+    todo = list(policies or candidate_policies(base or Policy(), comms))
     todo.sort(key=_frugality)
     tried = [plan(build, world_size, batch_size=batch_size, seq_len=seq_len, policy=todo[0], **kw)]
     if tried[0].peak_bytes_drifting <= budget_bytes:

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from shardwise import observe
 
+from .comm import CommModel, comm_live, traffic
 from .hardware import BLAS_THREADS, Hardware
 from .local_step import Layout
 from .optimizers import DEFAULT
@@ -60,7 +61,7 @@ class Simulation:
     host_peak_bytes: int = 0  # offload: the most host memory live in the recorded step
     host_params: int = 0  # offload: elements of this rank's shards (stepped on the host)
     host_layouts: list[Layout] = field(default_factory=list)  # offload: this rank's shards
-    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    collectives: dict[str, Any] = field(default_factory=dict)
     n_params: int = 0
 
 
@@ -116,12 +117,16 @@ def simulate(
     loss_fn: LossFn = lm_loss,
     record_calls: bool = False,
     optimizer: str = DEFAULT,
+    comm: CommModel | None = None,
 ) -> Simulation:
     """Three training steps of ``build()``'s model under ``policy`` at ``world`` ranks,
     stepping ``optimizer`` (optimizers.py).
 
     ``record_calls``: keep each operator's call on its event, to be timed
-    (op_costs.py)."""
+    (op_costs.py). ``comm``: a communication policy's model (comm.py): its
+    buffers are counted in the peak (as communication buffers) and the bytes
+    moved are as it runs the collectives, by link kind too; the runtime runs
+    its own (hpZ's resharding is ``policy``'s, plan.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_world(world, hsdp)
@@ -183,6 +188,8 @@ def simulate(
                     group=rec.group_size,
                     key=key,
                     numel=rec.numel // max(1, rec.group_size),
+                    full_numel=rec.numel,
+                    itemsize=rec.nbytes // max(1, rec.numel),
                     staging=sum(staging),
                     staging_parts=staging,
                     parts=rec.parts,
@@ -247,15 +254,19 @@ def simulate(
                         # of the two, its breakdown the in-step peak's with the half
                         # added to gloo's buffers.
                         staging = staging_live(events, in_step=True)
-                        for e, extra in zip(events, staging):
-                            e.live += extra + workspaces
+                        # The policy's buffers, counted as gloo's are (a communication
+                        # buffer, live from the issue to the wait).
+                        policy_bufs = comm_live(events, comm) if comm else [0] * len(events)
+                        for e, extra, bufs in zip(events, staging, policy_bufs):
+                            e.live += extra + bufs + workspaces
                         peak_index = max(range(len(events)), key=lambda i: events[i].live)
                         more = [a - b for a, b in zip(staging_live(events), staging)]
                         peak_drifting = max(e.live + d for e, d in zip(events, more))
                         half = (peak_drifting - events[peak_index].live) // 2
                         stop_at = peak_index
                         host_peak = tracker.host_peak
-                        tracker.staging_now = staging[peak_index] + half
+                        tracker.staging_now = staging[peak_index] + policy_bufs[peak_index]
+                        tracker.staging_now += half
                     if stopped:
                         break
             finally:
@@ -264,6 +275,9 @@ def simulate(
                 for h in handles:
                     h.remove()
     at = events[peak_index]
+    collectives: dict[str, Any] = {"whole_bytes": whole, "bytes_per_rank": moved}
+    if comm is not None:
+        collectives.update(traffic(events, comm))
     return Simulation(
         events=events,
         peak_bytes=at.live + half,
@@ -277,7 +291,7 @@ def simulate(
         host_peak_bytes=host_peak,
         host_params=host_params,
         host_layouts=host_layouts,
-        collectives={"whole_bytes": whole, "bytes_per_rank": moved},
+        collectives=collectives,
         n_params=n_params,
     )
 

@@ -13,6 +13,11 @@ first uploads its shard, a reduction then downloads it (at one GPU, with no
 collective, the copies have two streams of their own, one each way, and a
 module's compute waits for its own upload). A wait moves compute to the
 collective's (or upload's) end; that move is exposed communication.
+
+Under a communication policy (comm.py) a collective is its legs one after
+the other on the communication stream, each priced by the same rule, with
+its quantize and dequantize kernels before and after; those kernels are
+charged to the compute stream too, at the issue (phase "quantize").
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .comm import CommModel
 from .hardware import Hardware
 from .tracker import Event
 
@@ -83,6 +89,24 @@ def comm_seconds(e: Event, hw: Hardware, world: int, offload: bool) -> float:
     return t
 
 
+def policy_comm_seconds(
+    e: Event, hw: Hardware, world: int, offload: bool, comm: CommModel
+) -> tuple[float, float]:
+    """A collective as ``comm`` runs it: (its time on the communication stream, the time
+    of its quantize and dequantize kernels, included in the first)."""
+    legs = comm.legs(e)
+    kernels = sum(n / hw.mem_bw + hw.op_overhead for n in comm.kernel_bytes(e))
+    if not kernels and len(legs) == 1:  # as the runtime runs it
+        return comm_seconds(e, hw, world, offload), 0.0
+    t = kernels
+    for leg in legs:
+        if leg.group > 1:
+            t += hw.latency + leg.nbytes / (hw.inter_bw if leg.crosses else hw.intra_bw)
+    if offload and e.coll in ("all_gather", "reduce_scatter"):
+        t += e.numel * 4 / hw.h2d_bw
+    return t, kernels
+
+
 def replay(
     events: list[Event],
     hw: Hardware,
@@ -91,13 +115,15 @@ def replay(
     host_params: int = 0,
     host_scale: float = 1.0,
     host_bytes_per_param: int = ADAMW_BYTES_PER_PARAM,
+    comm: CommModel | None = None,
 ) -> StepTime:
     """``host_params``: elements of the offloaded shards, whose optimizer step runs on
     the host at ``hw.host_adamw_bw`` (``host_bytes_per_param`` each: the optimizer's,
     optimizers.py). ``host_scale``:
     every operator's time times this (a CPU's Python between them, measured). Host
     operators timed on this machine (op_costs) are charged their measured times
-    in place of the AdamW rate's share."""
+    in place of the AdamW rate's share. ``comm``: a communication policy's model,
+    whose collectives replace the runtime's (policy_comm_seconds)."""
     host_ops = [e for e in events if e.kind == "op" and e.host]
     host_bytes = sum(e.nbytes for e in host_ops)
     measured = any(e.seconds is not None for e in host_ops)
@@ -141,7 +167,13 @@ def replay(
             key = e.module or "(root)"
             by_module[key] = by_module.get(key, 0.0) + dt
         elif e.kind == "issue":
-            dt = comm_seconds(e, hw, world, offload)
+            if comm is None:
+                dt = comm_seconds(e, hw, world, offload)
+            else:
+                dt, kernels = policy_comm_seconds(e, hw, world, offload, comm)
+                if kernels:  # the SMs and memory bandwidth they take from compute
+                    clock += kernels
+                    by_phase["quantize"] = by_phase.get("quantize", 0.0) + kernels
             if not hw.comm_overlaps:  # the collective takes the cores compute runs on
                 clock += dt
                 exposed += dt

@@ -58,6 +58,8 @@ class Event:
     # one rank, -1 - its index (apart from the collectives' keys, and never 0: none)
     key: int = 0
     numel: int = 0  # issue: elements of one rank's shard (an offloaded upload's size)
+    full_numel: int = 0  # issue: elements of the unsharded side
+    itemsize: int = 0  # issue: bytes an element, in the collective's dtype
     dtensor: bool = False  # op: on DTensors (the optimizer's step): Python dispatch
     staging: int = 0  # issue: gloo's staging buffers, live while the collective runs
     staging_parts: tuple[int, ...] = ()  # issue: each gathered tensor's (gloo runs each apart)
