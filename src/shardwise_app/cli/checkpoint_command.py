@@ -9,6 +9,7 @@ shards. What differs is the work itself, passed in as a function.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,7 +19,7 @@ from .common import add_launch_arguments, in_worker, launch_from_args
 from .launcher import launch
 from .run_config import RunConfig
 from .run_folder import find_checkpoint
-from .signals import restore_default_signals
+from .signals import end_at_once
 
 # (checkpoint folder, the run's config, distributed) -> exit code
 Work = Callable[[Path, RunConfig, bool], int]
@@ -57,7 +58,9 @@ def run(
     ``worker_args``: the names of ``args`` the workers get back.
     """
     if in_worker():
-        restore_default_signals()  # no step boundary to stop at: signals act as usual
+        # No step boundary to stop at: a stop signal ends the worker at once, and so
+        # does its launcher's end (under torchrun too).
+        end_at_once()
     ckpt, config = find_checkpoint(args.ckpt, "--ckpt")
     if check is not None:
         check(ckpt, config)
@@ -67,7 +70,12 @@ def run(
     if where.world == 1:
         return work(ckpt, config, False)
     passed = {k: getattr(args, k) for k in worker_args}
-    return launch(command, passed, where, on_signal=lambda _id, signum: 128 + signum)
+
+    def on_signal(_: str, signum: int) -> int:
+        print(f"shardwise {command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+
+    return launch(command, passed, where, on_signal=on_signal)
 
 
 def say_source(config: RunConfig, extra: dict[str, Any], ckpt: Any) -> None:

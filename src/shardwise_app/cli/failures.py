@@ -26,10 +26,14 @@ import signal
 import sys
 from pathlib import Path
 
+from .signals import EXIT_STOP_OVERDUE, STOP_SIGNALS
+
 EXIT_REPORTED = 3  # a worker printed the one line that explains the failure
 EXIT_PEER_LOST = 4  # a worker lost a peer and said nothing
 EXIT_PEER_TIMEOUT = 5  # a worker waited --timeout for a peer that did not answer, and said nothing
 EXIT_NO_RETRY = 6  # a worker said why the run cannot go on; a restart would end alike
+# EXIT_STOP_OVERDUE = 7 (signals.py): asked to stop, a worker found no step
+# boundary within --stop-grace and ended without saving
 
 _PEER_LOST = (
     "connection closed by peer",
@@ -153,8 +157,11 @@ def what_failed(failures: dict[int, int], unresponsive: list[int]) -> str:
     ranks the launcher found still running after the others had ended (and killed)."""
     # Once one worker fails, the others lose it, or are stopped by the
     # launcher: a signal other than ours is the cause.
+    # A worker ended at once by a second stop signal sent to it exits 128 + the
+    # signal (signals.py): told as one killed by it.
+    codes = {r: -(c - 128) if c - 128 in STOP_SIGNALS else c for r, c in failures.items()}
     killed = sorted(
-        (c == -signal.SIGTERM, r, c) for r, c in failures.items() if c < 0 and r not in unresponsive
+        (c == -signal.SIGTERM, r, c) for r, c in codes.items() if c < 0 and r not in unresponsive
     )
     if killed:
         _, rank, code = killed[0]
@@ -166,6 +173,12 @@ def what_failed(failures: dict[int, int], unresponsive: list[int]) -> str:
         )
     if failures and all(c in (EXIT_PEER_LOST, EXIT_PEER_TIMEOUT) for c in failures.values()):
         return "the workers lost contact with each other"
+    overdue = sorted(r for r, c in failures.items() if c == EXIT_STOP_OVERDUE)
+    if overdue:
+        return (
+            f"worker rank {overdue[0]} was sent a stop signal (to it alone) and did not reach a "
+            "step boundary within --stop-grace: it ended without saving"
+        )
     rank, code = min((r, c) for r, c in failures.items() if c != 0)
     return f"worker rank {rank} failed with exit code {code}"
 
@@ -197,9 +210,21 @@ def launcher_message(
             "repeats, check that machine (a stuck GPU, a dead link), or raise --timeout "
             "if a step or a save really takes that long"
         )
+    if "--stop-grace" in what:
+        return f"shardwise {command}: {what}, and the job with it; {then}"
     if what.startswith("the workers lost"):
         return f"shardwise {command}: {what} (network?); {then}"
     return f"shardwise {command}: {what}; its error is above"
+
+
+def overdue_message(command: str, cause: str, grace_s: float, then: str) -> str:
+    """The one line of a stop that ran out of time: ``cause`` is "stopped by SIGTERM"
+    or "the launcher is gone"; ``then`` what the user has (``kept``)."""
+    return (
+        f"shardwise {command}: {cause}, but the workers did not reach a step boundary and "
+        f"save within --stop-grace {grace_s:g} s (a step, a save or a peer took longer): "
+        f"they ended without saving; {then}"
+    )
 
 
 def _signal_name(signum: int) -> str:

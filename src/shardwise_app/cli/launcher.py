@@ -7,9 +7,11 @@ when something goes wrong is decided here, in a loop that polls the workers
 and the signals every tenth of a second:
 
 - a stop signal (Ctrl-C, SIGTERM, SIGHUP) is passed on to every worker, which
-  stops at its next step boundary and saves; a second one kills every worker
-  at once (a save in progress is left as a ``.partial`` folder, removed at
-  the next start);
+  stops at its next step boundary and saves, or ends without saving when
+  none comes within ``--stop-grace`` (signals.py); workers still running a
+  few seconds past that (a stopped process) are killed; a second signal kills
+  every worker at once (a save in progress is left as a ``.partial`` folder,
+  removed at the next start);
 - when a worker fails, the others get a few seconds to notice and end on
   their own; any still running then is killed (a stopped or hung process
   never ends by itself), and is the one that stopped responding;
@@ -39,8 +41,8 @@ from .common import (
     raise_if_interrupted,
     usable_cpus,
 )
-from .failures import EXIT_NO_RETRY, launcher_message, what_failed
-from .signals import STOP_SIGNALS
+from .failures import EXIT_NO_RETRY, launcher_message, overdue_message, what_failed
+from .signals import DEFAULT_STOP_GRACE_S, EXIT_STOP_OVERDUE, STOP_SIGNALS
 
 # The process group's timeout: a worker that waits this long for a peer in a
 # collective gives up. The backends wait 10 (NCCL) or 30 (gloo) minutes.
@@ -67,6 +69,15 @@ def add_fault_arguments(p: Any) -> None:
         help="end the job when a worker waits this long for another that does not answer "
         f"(default: {DEFAULT_TIMEOUT_S})",
     )
+    g.add_argument(
+        "--stop-grace",
+        type=float,
+        default=DEFAULT_STOP_GRACE_S,
+        metavar="SECONDS",
+        help="on Ctrl-C, SIGTERM or SIGHUP, end without saving when the workers have not "
+        "reached a step boundary and saved within this time (default: "
+        f"{DEFAULT_STOP_GRACE_S:g}, within a scheduler's usual 30 s grace period)",
+    )
 
 
 def check_fault_arguments(args: Any) -> None:
@@ -74,6 +85,10 @@ def check_fault_arguments(args: Any) -> None:
         raise UsageError(f"--max-restarts must be at least 0, got {args.max_restarts}")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not (math.isfinite(args.stop_grace) and args.stop_grace > 0):
+        raise UsageError(
+            f"--stop-grace must be a positive number of seconds, got {args.stop_grace}"
+        )
 
 
 def launch(
@@ -85,6 +100,7 @@ def launch(
     then: Callable[[], str] | None = None,
     max_restarts: int = 0,
     on_restart: Callable[[str], str] | None = None,
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S,
 ) -> int:
     """Run ``shardwise COMMAND --flag=value ...`` on every rank of this node; the exit code.
 
@@ -93,7 +109,9 @@ def launch(
 
     On Ctrl-C, SIGTERM or SIGHUP every worker gets the signal and the
     launcher waits for them; ``on_signal(launch_id, signum)`` then decides the
-    exit code from what they left behind. A second signal kills them.
+    exit code from what they left behind. Workers that did not stop within
+    ``stop_grace_s`` end on their own (or are killed a little later): one
+    line, exit code 128 + the signal. A second signal kills them.
 
     ``then()`` says what the user has and can do after a failure (a train
     run: the checkpoint to resume from). After a failure that a restart can
@@ -114,7 +132,7 @@ def launch(
     try:
         for attempt in range(max_restarts + 1):
             workers = _Workers(command, argv, where, attempt)
-            ended = workers.watch(signals)
+            ended = workers.watch(signals, stop_grace_s)
             first = signals.received[0] if signals.received else None
             if ended.forced:
                 name = signal.Signals(signals.received[-1]).name
@@ -126,12 +144,19 @@ def launch(
                     flush=True,
                 )
                 return 128 + signals.received[-1]
+            if first is not None and ended.overdue:
+                name = signal.Signals(first).name
+                kept = then() if then else f"run shardwise {command} again"
+                line = overdue_message(command, f"stopped by {name}", stop_grace_s, kept)
+                print(line, file=sys.stderr, flush=True)
+                return 128 + first
             if first is not None and not ended.failed_beyond(first):
                 return on_signal(launch_id, first)
             if not ended.failed:
                 return 0
             codes = ended.codes
-            restartable = not {EXIT_USAGE, EXIT_NO_RETRY} & set(codes.values())
+            # A worker someone asked to stop (EXIT_STOP_OVERDUE) is not a fault to mend.
+            restartable = not {EXIT_USAGE, EXIT_NO_RETRY, EXIT_STOP_OVERDUE} & set(codes.values())
             if first is None and attempt < max_restarts and restartable and on_restart:
                 what = what_failed(codes, ended.unresponsive)
                 line = on_restart(what)
@@ -165,11 +190,25 @@ class _Signals:
 
 class _Ended:
     def __init__(
-        self, codes: dict[int, int], unresponsive: list[int], forced: bool = False
+        self,
+        codes: dict[int, int],
+        unresponsive: list[int],
+        forced: bool = False,
+        late: bool = False,
     ) -> None:
         self.codes = codes  # rank -> exit code (negative: killed by that signal)
         self.unresponsive = unresponsive  # ranks still running after a failure, killed by us
         self.forced = forced  # killed by us on a second stop signal
+        self.late = late  # killed by us, still running well past --stop-grace
+
+    @property
+    def overdue(self) -> bool:
+        """A stop that ran out of time: a worker ended at its deadline, none for another
+        reason (a kill by a signal other than ours: that is the story to tell)."""
+        if self.late:
+            return True
+        codes = set(self.codes.values())
+        return EXIT_STOP_OVERDUE in codes and all(c >= 0 for c in codes)
 
     @property
     def failed(self) -> bool:
@@ -183,8 +222,9 @@ class _Ended:
 
 
 def _stopped_by(code: int, signum: int | None) -> bool:
-    """A clean stop, a worker still starting that ended on the signal, or one it killed."""
-    return code == 0 or (signum is not None and code in (128 + signum, -signum))
+    """A clean stop, a worker still starting that ended on the signal, one it killed, or
+    one that ended at its --stop-grace deadline."""
+    return code == 0 or (signum is not None and code in (128 + signum, -signum, EXIT_STOP_OVERDUE))
 
 
 class _Workers:
@@ -218,9 +258,9 @@ class _Workers:
             cmd = [sys.executable, "-m", "shardwise_app.cli", command, *argv]
             self.procs[rank] = subprocess.Popen(cmd, env=env)
 
-    def watch(self, signals: _Signals) -> _Ended:
+    def watch(self, signals: _Signals, stop_grace_s: float) -> _Ended:
         """Poll until every worker has ended, acting on signals and failures."""
-        seen, failed_at = 0, None
+        seen, failed_at, stop_at = 0, None, None
         while True:
             if len(signals.received) > seen:
                 if seen >= 1:  # the second: no more waiting for a save
@@ -229,9 +269,15 @@ class _Workers:
                 for sig in signals.received[seen:]:
                     self._send(sig)
                 seen = len(signals.received)
+                stop_at = time.monotonic()
             codes = {r: p.poll() for r, p in self.procs.items()}
             if all(c is not None for c in codes.values()):
                 return _Ended(self._codes(), [])
+            # Each worker ends itself at the deadline; one that cannot (stopped
+            # with SIGSTOP, stuck in the kernel) is killed a little after it.
+            if stop_at is not None and time.monotonic() - stop_at > stop_grace_s + _GRACE_S:
+                self._kill([r for r, c in codes.items() if c is None])
+                return _Ended(self._codes(), [], late=True)
             first = signals.received[0] if signals.received else None
             if failed_at is None and any(
                 c is not None and not _stopped_by(c, first) for c in codes.values()

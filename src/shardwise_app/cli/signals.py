@@ -1,51 +1,105 @@
-"""How a worker stops: on a signal at a step boundary, and when its launcher is gone."""
+"""How a worker stops: at a step boundary when asked, and within a bound whatever it is doing.
+
+One thread per worker acts on Ctrl-C, SIGTERM and SIGHUP, not a Python
+signal handler: Python runs handlers on the main thread between two
+bytecodes, and a worker's main thread may be inside one long C++ call for
+minutes (a huge matmul, a gloo or NCCL collective a peer never joins, a
+save). ``signal.set_wakeup_fd`` makes the interpreter's C-level handler,
+which runs on whichever thread the kernel picks, write each signal's number
+to a socket this thread reads; the Python-level handlers do nothing.
+
+What the thread does with a signal depends on where the worker is:
+
+- Starting (importing torch, joining the process group): the first signal
+  ends it at once, quietly (cli/worker.py says why). Nothing is written before.
+- Training, once joined (``StopRequest``): the first signal raises the flag
+  the loop reads at the next step boundary, where every rank stops and saves;
+  and it starts the grace deadline (``--stop-grace``). A worker still running
+  at the deadline ends anyway, exit code ``EXIT_STOP_OVERDUE``; a save cut
+  short is left as ``step_N.partial`` (removed at the next start), so the
+  newest complete checkpoint stays the one ``--resume`` picks. A second
+  signal ends the worker at once, exit code 128 + the signal.
+- ``sample`` and ``export`` (``end_at_once``): nothing to save, so the
+  signals' default actions, which the kernel carries out without Python.
+
+A worker whose launcher is gone (killed with SIGKILL: the OOM killer, a
+scheduler's grace period over) acts as on SIGTERM, and so ends within the
+grace period too.
+"""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import IO
 
 # A closed terminal or SSH session sends SIGHUP; a scheduler sends SIGTERM.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Fits within the 30 s both Kubernetes (terminationGracePeriodSeconds) and
+# SLURM (KillWait) give between their SIGTERM and SIGKILL, with 5 s left for
+# the launcher to see its workers end and say so.
+DEFAULT_STOP_GRACE_S = 25.0
+EXIT_STOP_OVERDUE = 7  # a worker asked to stop found no step boundary within --stop-grace
+# Past the grace deadline, if even the deadline's thread cannot run (a C
+# extension holding the GIL): faulthandler's own C thread ends the process.
+_LAST_RESORT_S = 5.0
 
-
-def joined() -> None:
-    """The worker joined its process group: stop exiting on the first signal (cli/worker.py)."""
-    signal.set_wakeup_fd(-1)
+# (signal, whether the launcher is gone) -> the line a worker with no launcher
+# of ours left says at the deadline, or None for silence.
+Say = Callable[[int, bool], str | None]
 
 
 class StopRequest:
-    """Ctrl-C, SIGTERM and SIGHUP only raise a flag; the loop stops at the next step boundary."""
+    """The flag the training loop reads at each step boundary; set by the guard's thread.
 
-    def __init__(self) -> None:
+    ``signum``: the first stop signal (SIGTERM when the launcher is gone), or None.
+    """
+
+    def __init__(self, grace_s: float = DEFAULT_STOP_GRACE_S, say: Say | None = None) -> None:
         self.signum: int | None = None
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
+        _guard.stop_at_boundary(self, grace_s, say)
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is None:
-            self.signum = signum
+    def overdue(self) -> None:
+        """End now as at the grace deadline: a peer already did (its connection broke)."""
+        _guard.overdue()
 
 
-def restore_default_signals() -> None:
-    """For workers that do not stop at step boundaries (sample): plain signal behaviour again."""
+def arm() -> None:
+    """From the first lines of a worker our launcher starts: the first signal ends it."""
+    _guard.arm()
+
+
+def joined() -> None:
+    """The worker joined its process group: a training worker now stops at step boundaries."""
+    _guard.joined()
+
+
+def end_at_once() -> None:
+    """For workers that do not stop at step boundaries (sample, export): each stop signal
+    takes its default action, and the worker ends at once when its launcher is gone."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.signal(sig, signal.SIG_DFL)
+    _watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
-def stop_when_orphaned(poll_s: float = 0.5) -> None:
-    """Send ourselves SIGTERM once the process that started us is gone.
+def stop_when_orphaned() -> None:
+    """Stop as on SIGTERM once the process that started us is gone (see ``_watch_parent``)."""
+    _watch_parent(lambda: _guard.signalled(signal.SIGTERM, orphaned=True))
 
-    A launcher killed with SIGKILL (the OOM killer, a scheduler) cannot pass
-    anything on; its workers would train on, unsupervised, holding their GPUs
-    until the end. The parent's death shows as a new parent pid (init or a
-    subreaper). SIGTERM then stops the worker as any stop does: at the next
-    step boundary, with a checkpoint. Polling works on every POSIX system,
-    unlike Linux's parent-death signal, which is also tied to the thread that
-    started the child.
+
+def _watch_parent(then: Callable[[], None], poll_s: float = 0.5) -> None:
+    """Call ``then`` once our parent process is gone.
+
+    A launcher killed with SIGKILL cannot pass anything on; its workers would
+    run on, unsupervised, holding their GPUs. The parent's death shows as a
+    new parent pid (init or a subreaper). Polling works on every POSIX
+    system, unlike Linux's parent-death signal, which is also tied to the
+    thread that started the child.
     """
     parent = os.getppid()
     if parent <= 1:
@@ -54,6 +108,91 @@ def stop_when_orphaned(poll_s: float = 0.5) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGTERM)
+        then()
 
     threading.Thread(target=watch, name="shardwise-launcher-watch", daemon=True).start()
+
+
+class _Guard:
+    """The process's one signal thread, and what it does with each signal."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pair: tuple[socket.socket, socket.socket] | None = None  # open for life
+        self._stop: StopRequest | None = None
+        self._at_boundary = False
+        self._grace_s = DEFAULT_STOP_GRACE_S
+        self._say: Say | None = None
+        self._first: int | None = None
+        self._orphaned = False
+        self._devnull: IO[str] | None = None
+
+    def arm(self) -> None:
+        if self._pair is not None:
+            return
+        reader, writer = self._pair = socket.socketpair()
+        writer.setblocking(False)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, frame: None)  # the thread below acts
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+        def read() -> None:
+            while True:
+                got = reader.recv(1)
+                if not got:  # the process is ending anyway
+                    return
+                self.signalled(got[0])
+
+        threading.Thread(target=read, name="shardwise-signals", daemon=True).start()
+
+    def stop_at_boundary(self, stop: StopRequest, grace_s: float, say: Say | None) -> None:
+        with self._lock:
+            self._stop, self._grace_s, self._say = stop, grace_s, say
+            if self._pair is None:
+                # Not started by our entry module (torchrun): from now on a
+                # signal is a stop request, also while the group is joined.
+                self._at_boundary = True
+        self.arm()
+
+    def joined(self) -> None:
+        with self._lock:
+            self._at_boundary = self._stop is not None
+
+    def signalled(self, signum: int, orphaned: bool = False) -> None:
+        with self._lock:
+            if not self._at_boundary:
+                os._exit(128 + signum)
+            if self._first is not None:
+                if orphaned:  # already stopping, the deadline already runs
+                    self._orphaned = True
+                    return
+                os._exit(128 + signum)  # the second signal: no more waiting
+            self._first, self._orphaned = signum, orphaned
+            assert self._stop is not None
+            self._stop.signum = signum
+            timer = threading.Timer(self._grace_s, self.overdue)
+            timer.daemon = True
+            timer.start()
+            self._devnull = open(os.devnull, "w")  # noqa: SIM115 - open until the exit
+            faulthandler.dump_traceback_later(
+                self._grace_s + _LAST_RESORT_S, exit=True, file=self._devnull
+            )
+
+    def overdue(self) -> None:
+        """The grace period is over (or a peer ended on its own): say so if ours to say, end."""
+        with self._lock:
+            signum, orphaned = self._first or signal.SIGTERM, self._orphaned
+        line = None
+        if self._say is not None:
+            try:
+                line = self._say(signum, orphaned)
+            except Exception as e:  # the exit matters more than the words
+                line = f"shardwise: ending without saving ({type(e).__name__}: {e})"
+        if line:
+            # Not print(): the main thread may hold sys.stderr's lock, inside a write
+            # to a full pipe; os.write needs no lock.
+            os.write(2, (line + "\n").encode())
+        os._exit(EXIT_STOP_OVERDUE)
+
+
+_guard = _Guard()

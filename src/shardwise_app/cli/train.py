@@ -18,18 +18,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from .common import LAUNCH_ID_ENV, in_worker, launch_from_args
 from .corpus import prepare as prepare_corpus
-from .failures import kept, passes_through, report_worker_failure
+from .failures import (
+    kept,
+    overdue_message,
+    passes_through,
+    peer_lost,
+    peer_timeout,
+    report_worker_failure,
+)
 from .launcher import check_fault_arguments, launch
 from .process_group import init_worker
 from .report import read_json, read_jsonl, stopped_before_the_first_step
 from .run_config import CONFIG_ENV, RunConfig
 from .run_folder import create_and_lock, remove_if_unused, remove_unfinished_saves
-from .signals import StopRequest, stop_when_orphaned
+from .signals import STOP_SIGNALS, StopRequest, stop_when_orphaned
 from .train_config import build_parser, for_restart, is_new_run, newest_saved, resolve
 
 
@@ -48,9 +58,10 @@ def main(argv: list[str]) -> int:
         _hand_to_workers(config)
         return launch(
             "train",
-            {"out": out, "timeout": args.timeout},
+            {"out": out, "timeout": args.timeout, "stop_grace": args.stop_grace},
             where,
             on_signal=lambda _, signum: 128 + signum,
+            stop_grace_s=args.stop_grace,
         )
     _lock, created = create_and_lock(out, "--out", new_run=is_new_run(config))
     try:
@@ -82,12 +93,13 @@ def main(argv: list[str]) -> int:
 
         return launch(
             "train",
-            {"out": out, "timeout": args.timeout},
+            {"out": out, "timeout": args.timeout, "stop_grace": args.stop_grace},
             where,
             on_signal=on_signal,
             then=lambda: kept(newest_saved(out)),
             max_restarts=args.max_restarts,
             on_restart=on_restart,
+            stop_grace_s=args.stop_grace,
         )
     finally:
         remove_if_unused(out, created)
@@ -102,15 +114,94 @@ def train(args: argparse.Namespace) -> int:
     """A worker: join the process group, then train (train_loop.py); one line if it fails."""
     from .train_loop import run_worker
 
-    # Signals only raise a flag from here on; until the process group is
-    # joined, the entry module still ends the worker at once (cli/worker.py).
-    stop = StopRequest()
-    stop_when_orphaned()
     check_fault_arguments(args)
+    # Signals only raise a flag from here on, and start the --stop-grace
+    # deadline (signals.py); until the process group is joined, the entry
+    # module still ends the worker at once (cli/worker.py).
+    stop = StopRequest(args.stop_grace, _say_overdue(args))
+    stop_when_orphaned()
+    if STALL_ENV in os.environ:
+        _stall_for_tests(os.environ[STALL_ENV])
     w = init_worker(timeout_s=args.timeout)
     try:
         return run_worker(args, w, stop)
     except BaseException as e:  # one line, said by the one rank that should
         if passes_through(e):
             raise
+        if stop.signum is not None and (peer_lost(e) or peer_timeout(e)):
+            stop.overdue()  # a peer ended at its deadline: the same story, told once
         return report_worker_failure("train", e, w.rank)
+
+
+def _say_overdue(args: argparse.Namespace) -> Any:
+    """The line of a stop that ran out of time, for a worker to say where no launcher of
+    ours will (under torchrun, or once ours is gone): rank 0's alone."""
+
+    def say(signum: int, orphaned: bool) -> str | None:
+        if os.environ.get("RANK") != "0" or (CONFIG_ENV in os.environ and not orphaned):
+            return None
+        run = Path(args.out or args.resume or "")
+        if (run / ".metadata").is_file():  # --resume named a checkpoint folder
+            run = run.parent.parent
+        then = (
+            kept(newest_saved(run))
+            if run.name
+            else "the newest complete checkpoint in the run folder is kept (--resume picks it)"
+        )
+        name = signal.Signals(signum).name
+        cause = "the launcher is gone" if orphaned else f"stopped by {name}"
+        return overdue_message("train", cause, args.stop_grace, then)
+
+    return say
+
+
+# ---- a step or a save that does not end, for the tests (tests/app/test_cli_stop.py) ---------
+
+# "step N RANK" or "save N RANK": rank RANK's step N (or its save of step N,
+# once its shards are written, before the checkpoint is complete) never ends.
+STALL_ENV = "SHARDWISE_TEST_STALL"
+STALL_MARK_ENV = "SHARDWISE_TEST_STALL_MARK"  # a file made when the stall begins
+
+
+def _stall_for_tests(spec: str) -> None:
+    """Make one step or save last for good, as a long C++ call would: the main thread
+    neither returns nor runs Python's signal handlers (their signals blocked in it),
+    so only what does not need the main thread can stop the worker."""
+    from . import train_loop
+
+    where, at, rank = spec.split()
+    if os.environ.get("RANK") != rank:
+        return
+
+    def stall() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        Path(os.environ.get(STALL_MARK_ENV, os.devnull)).touch()
+        time.sleep(3600)
+
+    if where == "step":
+        step = train_loop.train_step
+
+        def train_step(run: Any, n: int) -> Any:
+            if n == int(at):
+                stall()
+            return step(run, n)
+
+        setattr(train_loop, "train_step", train_step)  # noqa: B010 - typed otherwise
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        saving: list[int] = []
+        save, dcp_save = train_loop.save, dcp.save
+
+        def save_step(run: Any, n: int) -> Any:
+            saving[:] = [n]
+            return save(run, n)
+
+        def write(*a: Any, **k: Any) -> Any:
+            result = dcp_save(*a, **k)
+            if saving == [int(at)]:
+                stall()
+            return result
+
+        setattr(train_loop, "save", save_step)  # noqa: B010
+        setattr(dcp, "save", write)  # noqa: B010

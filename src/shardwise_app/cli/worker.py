@@ -14,36 +14,20 @@ joined its process group the first such signal ends it at once, quietly.
 Nothing is lost: a worker writes nothing before it has joined. A helper
 thread does the exiting, woken through ``signal.set_wakeup_fd``, because a
 Python signal handler cannot run while the main thread is blocked inside
-torch's C++ rendezvous. ``signals.joined()`` disarms it; from then on the
-training loop's ``StopRequest`` stops at a step boundary instead.
+torch's C++ rendezvous (signals.py). Once joined, the same thread makes a
+training worker stop at a step boundary instead, within ``--stop-grace``.
 """
 
 import os
-import signal
-import socket
 import sys
-import threading
 from collections.abc import Callable
 
-from .signals import STOP_SIGNALS
-
-_pair: tuple[socket.socket, socket.socket] | None = None  # kept open for the process's life
+from .signals import arm
 
 
 def exit_on_first_signal() -> None:
-    global _pair
-    reader, writer = _pair = socket.socketpair()
-    writer.setblocking(False)
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, frame: None)  # the thread below acts
-    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-
-    def wait() -> None:
-        signum = reader.recv(1)
-        if signum:  # empty: the process is ending anyway
-            os._exit(128 + signum[0])
-
-    threading.Thread(target=wait, name="shardwise-early-exit", daemon=True).start()
+    """Until the worker has joined its process group, the first stop signal ends it."""
+    arm()
 
 
 class _OutputOrNothing:

@@ -1,0 +1,252 @@
+"""A stop is honoured within a bound, whatever the workers are doing (issue 52).
+
+A step or a save is made to last for good (``SHARDWISE_TEST_STALL``, cli/train.py):
+the stalled worker's main thread blocks its stop signals and sleeps, as a long
+C++ call would, and its peer waits for it inside a real gloo collective. So
+nothing that needs the main thread (a Python signal handler, the next step
+boundary) can end either: only what signals.py does on its own threads. The
+bound is ``--stop-grace``, short here (3 s). 2 CPU ranks, a tiny model.
+
+Every test kills what it started in ``finally``, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import alive, children, env, one_line, rank_of, rows, wait_for
+
+GRACE = 3.0
+TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "4", "--nproc", "2"]
+
+
+class Job:
+    """``shardwise ARGS`` in its own session, output to a file; every process it made is
+    remembered, so that ``kill_all`` can end them even once the launcher is gone."""
+
+    def __init__(self, tmp: Path, args: list[str], stall: str | None, torchrun: bool) -> None:
+        self.mark = tmp / "stalled"
+        self.log = tmp / "log"
+        e = env()
+        if stall:
+            e |= {"SHARDWISE_TEST_STALL": stall, "SHARDWISE_TEST_STALL_MARK": str(self.mark)}
+        head = [sys.executable, "-m", "shardwise"]
+        if torchrun:
+            torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+            head = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "shardwise"]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [*head, *args],
+                cwd=tmp,
+                env=e,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        self.seen: set[int] = set()
+
+    def workers(self) -> list[int]:
+        """The ranks' processes (children of the launcher, or of torchrun)."""
+        found = [p for p in children(self.proc.pid) if _is_rank(p)]
+        self.seen.update(found)
+        return found
+
+    def wait_for_stall(self) -> list[int]:
+        def stalled() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ended ({self.proc.returncode}): {self.output()}")
+            return self.mark.exists() and len(self.workers()) == 2
+
+        wait_for("the stall", stalled, timeout=150)
+        return self.workers()
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def kill_all(self) -> None:
+        for pid in [self.proc.pid, *self.seen]:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # a session leader: the launcher, torchrun's ranks
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        rank_of(pid)
+        return True
+    except (OSError, StopIteration):
+        return False
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    made: list[Job] = []
+
+    def make(*args: str, stall: str | None = None, torchrun: bool = False) -> Job:
+        j = Job(tmp_path, list(args), stall, torchrun)
+        made.append(j)
+        return j
+
+    try:
+        yield make  # type: ignore[misc]
+    finally:
+        for j in made:
+            j.kill_all()
+
+
+def said(output: str) -> str:
+    """What a job said beyond its first line and its progress lines."""
+    lines = output.splitlines()[1:]
+    return "\n".join(line for line in lines if not line.startswith("step "))
+
+
+def gone_within(pids: list[int], seconds: float) -> float:
+    """Seconds until none of ``pids`` is alive; fails past ``seconds``."""
+    t0 = time.monotonic()
+    wait_for("every worker to end", lambda: not any(map(alive, pids)), timeout=seconds)
+    return time.monotonic() - t0
+
+
+# ---- the launcher gets one SIGTERM, or is killed -------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_one_sigterm_to_the_launcher_ends_a_stalled_job_within_the_grace(job, tmp_path) -> None:
+    j = job(
+        "train", *TINY, "--steps", "12", "--save-every", "2", "--stop-grace", str(GRACE),
+        "--out", "run", stall="step 3 1",
+    )  # fmt: skip
+    workers = j.wait_for_stall()
+    os.kill(j.proc.pid, signal.SIGTERM)  # the launcher alone, as a scheduler sends it
+    t0 = time.monotonic()
+    assert j.proc.wait(timeout=GRACE + 10) == 128 + signal.SIGTERM, j.output()
+    took = time.monotonic() - t0
+    assert took < GRACE + 10 and not any(map(alive, workers)), j.output()
+    assert took > GRACE - 0.5, "ended before the grace period: the stop was not waited for"
+    line = one_line(said(j.output()))
+    assert line.startswith("shardwise train: stopped by SIGTERM, but the workers did not reach")
+    assert f"within --stop-grace {GRACE:g} s" in line
+    assert "the last good checkpoint, checkpoints/step_000002, is kept" in line, line
+    # Nothing left behind: the lock is free, the checkpoint is the newest.
+    r = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", "--resume", "run", "--steps", "3"],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed at step 2" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_the_launcher_ends_orphans_stalled_in_a_step(job) -> None:
+    j = job(
+        "train", *TINY, "--steps", "12", "--stop-grace", str(GRACE), "--out", "run",
+        stall="step 3 1",
+    )  # fmt: skip
+    workers = j.wait_for_stall()
+    j.proc.kill()  # the OOM killer, or a scheduler's grace period over
+    j.proc.wait(timeout=10)
+    took = gone_within(workers, GRACE + 10)
+    assert took > GRACE - 1.5, "the orphans did not wait for a step boundary first"
+    # Rank 0 says it (the launcher that would is gone), in one line.
+    said = [line for line in j.output().splitlines() if "--stop-grace" in line]
+    assert len(said) == 1 and said[0].startswith("shardwise train: the launcher is gone"), said
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_of_the_launcher_during_a_save_keeps_the_previous_checkpoint(
+    job, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    args = ["train", *TINY, "--steps", "6", "--save-every", "2", "--stop-grace", str(GRACE)]
+    j = job(*args, "--out", "run", stall="save 4 1")
+    workers = j.wait_for_stall()
+    j.proc.kill()
+    j.proc.wait(timeout=10)
+    gone_within(workers, GRACE + 10)
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004.partial"]
+    before = {r["step"]: r["loss"] for r in rows(run)}
+    assert sorted(before) == [1, 2, 3]  # step 4's row comes after its save
+
+    r = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", "--resume", "run"],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "removed checkpoints/step_000004.partial" in r.stderr, r.stderr
+    assert "resumed at step 2" in r.stdout, r.stdout
+    after = {r["step"]: r["loss"] for r in rows(run)}
+    assert sorted(after) == [1, 2, 3, 4, 5, 6]
+    assert after[3] == before[3]  # the same step 3, to the bit
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step_00000{n}" for n in (2, 4, 6)]
+
+
+# ---- a worker gets two SIGTERMs ------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_two_sigterms_to_a_worker_end_it_at_once(job) -> None:
+    # A grace far longer than the test: only the second signal can end the worker.
+    j = job("train", *TINY, "--steps", "12", "--stop-grace", "600", "--out", "run",
+            stall="step 3 1")  # fmt: skip
+    workers = j.wait_for_stall()
+    rank1 = next(p for p in workers if rank_of(p) == 1)
+    os.kill(rank1, signal.SIGTERM)
+    time.sleep(0.5)
+    assert alive(rank1)  # the first asks for a stop at a boundary
+    os.kill(rank1, signal.SIGTERM)
+    gone_within([rank1], 5)
+    assert j.proc.wait(timeout=30) == 1, j.output()
+    line = one_line(said(j.output()))
+    assert "worker rank 1 was killed by SIGTERM" in line, j.output()
+    assert not any(map(alive, workers))
+
+
+# ---- torchrun, and sample --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_a_killed_torchrun_leaves_no_worker(job) -> None:
+    j = job("train", *TINY[:-2], "--steps", "12", "--stop-grace", str(GRACE), "--out", "run",
+            stall="step 3 1", torchrun=True)  # fmt: skip
+    workers = j.wait_for_stall()
+    j.proc.kill()
+    j.proc.wait(timeout=10)
+    gone_within(workers, GRACE + 10)
+    said = [line for line in j.output().splitlines() if "--stop-grace" in line]
+    assert len(said) == 1 and said[0].startswith("shardwise train: the launcher is gone"), said
+
+
+# ---- bad values ----------------------------------------------------------------------------
+
+
+def test_a_bad_stop_grace_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    from shardwise_app.cli.main import main
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDWISE_RUN_CONFIG"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(tmp_path)
+    for value, shown in [("-1", "-1.0"), ("0", "0.0"), ("nan", "nan"), ("inf", "inf")]:
+        assert main(["train", "--stop-grace", value]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert f"--stop-grace must be a positive number of seconds, got {shown}" in line
+    assert list(tmp_path.iterdir()) == []
