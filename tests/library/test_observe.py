@@ -28,9 +28,10 @@ def _model() -> nn.Module:
 
 def observed_worker(rank: int, world: int) -> dict[str, list]:
     model = _model()
-    seen: dict[str, list] = {"collective": [], "wait": [], "transfer": []}
+    seen: dict[str, list] = {"collective": [], "wait": [], "transfer": [], "ranks": []}
     removers = [
         observe.add_collective_observer(lambda rec, p: seen["collective"].append(rec.kind)),
+        observe.add_collective_observer(lambda rec, p: seen["ranks"].append(rec.ranks)),
         observe.add_wait_observer(lambda p, done: seen["wait"].append((p.kind, p.label, done))),
         observe.add_transfer_observer(lambda t: seen["transfer"].append(t)),
     ]
@@ -55,7 +56,16 @@ def observed_worker(rank: int, world: int) -> dict[str, list]:
         "wait": seen["wait"],
         "transfer": [t.kind for t in transfers],
         "labels": sorted(labels),
+        "ranks": sorted(set(seen["ranks"])),
     }
+
+
+def test_link_bytes_is_public() -> None:
+    """``observe.LinkBytes`` counts a record's bytes by link (tests/library/test_comm_policy.py
+    checks it on 2 nodes x 2 ranks)."""
+    counter = observe.LinkBytes(1, rank=0)
+    counter(observe.CollectiveRecord("all_gather", torch.float32, 4, 16, 2, "", ranks=(0, 1)))
+    assert (counter.intra, counter.inter) == (0, 8)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -76,5 +86,7 @@ def test_observers_see_collectives_waits_and_offload_copies(world: int) -> None:
         assert [done for *_, done in waits] == [False, True] * (len(waits) // 2)
         if world > 1:
             assert {"all_gather", "reduce_scatter"} <= set(got["collective"])
+            # Every record names its group's world ranks (LinkBytes reads them).
+            assert got["ranks"] == [tuple(range(world))], got["ranks"]
         else:
             assert {kind for kind, _, _ in waits} >= {"upload"}
