@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import alive, children, env, one_line, rank_of, rows, wait_for
+from cli_helpers import alive, children, env, handles_sighup, one_line, rank_of, rows, wait_for
 
 GRACE = 3.0
 TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "4", "--nproc", "2"]
@@ -234,6 +234,52 @@ def test_under_torchrun_a_killed_torchrun_leaves_no_worker(job) -> None:
     gone_within(workers, GRACE + 10)
     said = [line for line in j.output().splitlines() if "--stop-grace" in line]
     assert len(said) == 1 and said[0].startswith("shardwise train: the launcher is gone"), said
+
+
+@pytest.mark.timeout(300)
+def test_sample_workers_end_at_once_on_a_signal_and_with_their_launcher(job, tmp_path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", *TINY[:-2], "--steps", "2", "--nproc", "1",
+         "--out", "run"],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    # Far more bytes than the test lasts: the workers are generating when stopped.
+    sample = ["sample", "--ckpt", "run", "--nproc", "2", "--tokens", "1000000"]
+
+    j = job(*sample)
+    workers = generating(j)
+    os.kill(j.proc.pid, signal.SIGTERM)
+    assert j.proc.wait(timeout=15) == 128 + signal.SIGTERM, j.output()
+    gone_within(workers, 5)
+    assert one_line(j.output()) == "shardwise sample: stopped by SIGTERM"
+
+    j = job(*sample)
+    workers = generating(j)
+    j.proc.kill()
+    gone_within(workers, 5)
+
+
+def generating(j: Job) -> list[int]:
+    """The two workers of ``j``, once past their start (their stop signals back to the
+    defaults, cli/checkpoint_command.py) and a few seconds into the work."""
+
+    def started() -> bool:
+        if j.proc.poll() is not None:
+            raise AssertionError(f"ended ({j.proc.returncode}): {j.output()}")
+        ws = j.workers()
+        return len(ws) == 2 and all(handled.get(p) and not handles_sighup(p) for p in ws)
+
+    handled: dict[int, bool] = {}
+
+    def seen() -> bool:
+        for p in j.workers():
+            handled[p] = handled.get(p, False) or handles_sighup(p)
+        return started()
+
+    wait_for("the workers to start", seen, timeout=120)
+    time.sleep(3)
+    return j.workers()
 
 
 # ---- bad values ----------------------------------------------------------------------------

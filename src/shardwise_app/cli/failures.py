@@ -223,7 +223,7 @@ def overdue_message(command: str, cause: str, grace_s: float, then: str) -> str:
     return (
         f"shardwise {command}: {cause}, but the workers did not reach a step boundary and "
         f"save within --stop-grace {grace_s:g} s (a step, a save or a peer took longer): "
-        f"they ended without saving; {then}"
+        f"they ended anyway; {then}"
     )
 
 

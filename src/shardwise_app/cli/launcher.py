@@ -42,7 +42,7 @@ from .common import (
     usable_cpus,
 )
 from .failures import EXIT_NO_RETRY, launcher_message, overdue_message, what_failed
-from .signals import DEFAULT_STOP_GRACE_S, EXIT_STOP_OVERDUE, STOP_SIGNALS
+from .signals import DEFAULT_STOP_GRACE_S, EXIT_STOP_OVERDUE, STOP_FD_ENV, STOP_SIGNALS
 
 # The process group's timeout: a worker that waits this long for a peer in a
 # collective gives up. The backends wait 10 (NCCL) or 30 (gloo) minutes.
@@ -132,7 +132,10 @@ def launch(
     try:
         for attempt in range(max_restarts + 1):
             workers = _Workers(command, argv, where, attempt)
-            ended = workers.watch(signals, stop_grace_s)
+            try:
+                ended = workers.watch(signals, stop_grace_s)
+            finally:
+                workers.close()
             first = signals.received[0] if signals.received else None
             if ended.forced:
                 name = signal.Signals(signals.received[-1]).name
@@ -233,6 +236,12 @@ class _Workers:
     That entry module sets up signals before torch is imported (worker.py).
     Each worker shares the launcher's process group, so that a terminal's
     Ctrl-C reaches it directly, as it reaches the launcher.
+
+    A stop signal is passed on through a pipe per worker, not as a signal:
+    a worker that got the terminal's Ctrl-C (or a scheduler's SIGTERM sent
+    to every process) would count our copy as a second signal, which ends it
+    at once, unsaved. Through the pipe it is only ever a first request
+    (signals.py). The pipe's end also tells the worker its launcher is gone.
     """
 
     def __init__(self, command: str, argv: list[str], where: Launch, attempt: int) -> None:
@@ -242,6 +251,7 @@ class _Workers:
             host, port = "127.0.0.1", str(_free_port())
         node = where.node_rank or 0
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._stop_pipes: dict[int, int] = {}  # rank -> the write end
         for local in range(where.nproc):
             rank = node * where.nproc + local
             env = {
@@ -256,7 +266,12 @@ class _Workers:
                 "TORCHELASTIC_RESTART_COUNT": str(attempt),
             }
             cmd = [sys.executable, "-m", "shardwise_app.cli", command, *argv]
-            self.procs[rank] = subprocess.Popen(cmd, env=env)
+            read, self._stop_pipes[rank] = os.pipe()  # neither end inherited by others
+            env[STOP_FD_ENV] = str(read)
+            try:
+                self.procs[rank] = subprocess.Popen(cmd, env=env, pass_fds=(read,))
+            finally:
+                os.close(read)
 
     def watch(self, signals: _Signals, stop_grace_s: float) -> _Ended:
         """Poll until every worker has ended, acting on signals and failures."""
@@ -293,12 +308,18 @@ class _Workers:
         return {r: int(p.returncode) for r, p in self.procs.items() if p.returncode is not None}
 
     def _send(self, sig: int) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
+        for rank, pipe in self._stop_pipes.items():
+            if self.procs[rank].poll() is None:
                 try:
-                    p.send_signal(sig)
-                except ProcessLookupError:
+                    os.write(pipe, bytes([sig]))
+                except OSError:  # it ended meanwhile
                     pass
+
+    def close(self) -> None:
+        """Close the pipes: a worker still running (ours never are) would see its launcher gone."""
+        for pipe in self._stop_pipes.values():
+            os.close(pipe)
+        self._stop_pipes.clear()
 
     def _kill(self, ranks: list[int]) -> None:
         """SIGKILL, which a stopped process cannot hold pending as it holds SIGTERM."""

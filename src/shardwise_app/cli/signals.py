@@ -22,9 +22,13 @@ What the thread does with a signal depends on where the worker is:
 - ``sample`` and ``export`` (``end_at_once``): nothing to save, so the
   signals' default actions, which the kernel carries out without Python.
 
-A worker whose launcher is gone (killed with SIGKILL: the OOM killer, a
-scheduler's grace period over) acts as on SIGTERM, and so ends within the
-grace period too.
+Our launcher passes its first stop signal on through a pipe, which the
+thread also reads: that copy is never a second signal, though the worker
+mostly got the same one directly (a terminal's Ctrl-C, a scheduler's SIGTERM
+to every process). A worker whose launcher is gone (killed with SIGKILL: the
+OOM killer, a scheduler's grace period over) acts as on SIGTERM, and so ends
+within the grace period too: our launcher's pipe ends at once; any other
+(torchrun) is found gone by polling the parent pid.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # the launcher to see its workers end and say so.
 DEFAULT_STOP_GRACE_S = 25.0
 EXIT_STOP_OVERDUE = 7  # a worker asked to stop found no step boundary within --stop-grace
+# The read end of a pipe from our launcher: each byte a stop signal passed on;
+# its end, the launcher's (launcher.py says why not a signal).
+STOP_FD_ENV = "SHARDWISE_STOP_FD"
 # Past the grace deadline, if even the deadline's thread cannot run (a C
 # extension holding the GIL): faulthandler's own C thread ends the process.
 _LAST_RESORT_S = 5.0
@@ -144,6 +151,25 @@ class _Guard:
                 self.signalled(got[0])
 
         threading.Thread(target=read, name="shardwise-signals", daemon=True).start()
+        fd = os.environ.pop(STOP_FD_ENV, None)
+        if fd is not None:
+            self._listen_to_launcher(int(fd))
+
+    def _listen_to_launcher(self, fd: int) -> None:
+        os.set_inheritable(fd, False)  # not for the processes this worker starts
+
+        def read() -> None:
+            while True:
+                try:
+                    got = os.read(fd, 1)
+                except OSError:
+                    got = b""
+                if not got:  # the launcher is gone, whatever killed it
+                    self.signalled(signal.SIGTERM, orphaned=True)
+                    return
+                self.signalled(got[0], passed_on=True)
+
+        threading.Thread(target=read, name="shardwise-launcher", daemon=True).start()
 
     def stop_at_boundary(self, stop: StopRequest, grace_s: float, say: Say | None) -> None:
         with self._lock:
@@ -158,15 +184,17 @@ class _Guard:
         with self._lock:
             self._at_boundary = self._stop is not None
 
-    def signalled(self, signum: int, orphaned: bool = False) -> None:
+    def signalled(self, signum: int, orphaned: bool = False, passed_on: bool = False) -> None:
+        """A stop signal: sent to this process, ``passed_on`` by our launcher (which passes
+        on only its first), or SIGTERM for a launcher that is gone (``orphaned``)."""
         with self._lock:
             if not self._at_boundary:
                 os._exit(128 + signum)
             if self._first is not None:
-                if orphaned:  # already stopping, the deadline already runs
-                    self._orphaned = True
+                if orphaned or passed_on:  # the same stop again: the deadline already runs
+                    self._orphaned = self._orphaned or orphaned
                     return
-                os._exit(128 + signum)  # the second signal: no more waiting
+                os._exit(128 + signum)  # a second signal: no more waiting
             self._first, self._orphaned = signum, orphaned
             assert self._stop is not None
             self._stop.signum = signum
@@ -190,8 +218,11 @@ class _Guard:
                 line = f"shardwise: ending without saving ({type(e).__name__}: {e})"
         if line:
             # Not print(): the main thread may hold sys.stderr's lock, inside a write
-            # to a full pipe; os.write needs no lock.
-            os.write(2, (line + "\n").encode())
+            # to a full pipe; os.write needs no lock. Nobody may be reading any more.
+            try:
+                os.write(2, (line + "\n").encode())
+            except OSError:
+                pass
         os._exit(EXIT_STOP_OVERDUE)
 
 
