@@ -17,6 +17,7 @@ from .materialize import materialize
 from .offload import CPUOffloadPolicy, OffloadPolicy
 from .optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from .patch import fsdp2_patched, patch_fsdp2, unpatch_fsdp2
+from .placement import ShardPlacementResult
 from .precision import MixedPrecisionPolicy
 from .trace import Tracer, trace
 
@@ -29,6 +30,7 @@ __all__ = [
     "OffloadPolicy",
     "OptimizerInBackward",
     "Phase",
+    "ShardPlacementResult",
     "Tracer",
     "UnshardHandle",
     "clip_grad_norm_",

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from . import collectives, pipeline
+from . import collectives, pipeline, placement
 from .extensions import Extension, has_hooks
 from .fsdp_module import FSDPModule
 from .module import ModuleState, outside_compile
@@ -69,7 +69,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: Any = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
@@ -111,7 +111,11 @@ def fully_shard(
     (no_grad, eval) leave every module sharded, the root included.
 
     ``shard_placement_fn(param)`` may return ``Shard(dim)`` to split that
-    parameter along ``dim`` (evenly) instead of dim 0, or None for dim 0.
+    parameter along ``dim`` (evenly) instead of dim 0, None for dim 0, or a
+    ``ShardPlacementResult(placement, mesh)`` (shardwise's, or torch's with a
+    ``mesh_info``) to shard it over a mesh of its own: each mesh's parameters
+    are gathered and reduced over their own process groups, in one module's
+    lifecycle (expert parallelism: placement.py).
     ``offload_policy=CPUOffloadPolicy()`` keeps the sharded parameters, their
     gradients and the optimizer state in CPU memory (offload.py).
 
@@ -146,20 +150,23 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     named = _owned_params(modules, ignored)
     _check_params(modules[0], named, mesh.device_type)
+    label = type(modules[0]).__name__
+    meshes: list[DeviceMesh] | None = None
     if spmd is None:
         tp = _tp_layouts(named, mesh)
-        dims = _shard_dims(named, mesh, shard_placement_fn, tp)
+        dims, meshes = placement.resolve(named, mesh, shard_placement_fn, label, tp)
     else:
-        dims = _shard_dims(named, mesh, shard_placement_fn, None)
+        dims, meshes = placement.resolve(named, mesh, shard_placement_fn, label)
         tp = [
             compose_spmd(fqn, p, spmd, dims[i] if dims else 0)
             for i, (fqn, p, _) in enumerate(named)
         ]
     _check_self_gathering(named, dims or [0] * len(named), offload, post_forward_size, mesh)
+    if meshes is not None:
+        _check_mesh_parts(label, spmd is not None, post_forward_size, named)
 
     if check is None:
         check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
-    label = type(modules[0]).__name__
     # Made before anything changes: new_group can fail (a timeout, a backend).
     smaller = post_forward_group(mesh, post_forward_size) if named and post_forward_size else None
     settings = GroupSettings(
@@ -171,7 +178,7 @@ def fully_shard(
     )
     state = ModuleState(modules, settings, label, bool(check))
     if named:
-        state.group = ParamGroup(named, mesh, settings, label, tp, dims)
+        state.group = ParamGroup(named, mesh, settings, label, tp, dims, meshes)
         state.group.use_post_forward_group(smaller)
         _groups.add(state.group)
     for _, p, _ in named:
@@ -194,6 +201,25 @@ def fully_shard(
             )
         m.__class__ = _subclass_cache[cls]
     return module
+
+
+def _check_mesh_parts(label: str, spmd: bool, post_forward_size: int, named: list[Any]) -> None:
+    """Refuse, before anything changes, what parameters on meshes of their own
+    (``shard_placement_fn`` returning a mesh) are not combined with."""
+    why = (
+        "dp_mesh_dims (every parameter a DTensor on one SPMD mesh)"
+        if spmd
+        else "reshard_after_forward=<int> (its group of ranks is one mesh's)"
+        if post_forward_size
+        else "parameters that gather themselves (float8)"
+        if any(has_hooks(p._local_tensor if isinstance(p, DTensor) else p) for _, p, _ in named)
+        else None
+    )
+    if why is not None:
+        raise ValueError(
+            f"fully_shard({label}): shard_placement_fn puts parameters on meshes of their own, "
+            f"which shardwise does not combine with {why}"
+        )
 
 
 def _check_self_gathering(
@@ -311,46 +337,6 @@ def post_forward_group(mesh: DeviceMesh, n: int) -> Any:
     if ranks not in _post_forward_groups:
         _post_forward_groups[ranks] = collectives.new_group(list(ranks))
     return _post_forward_groups[ranks]
-
-
-def _shard_dims(
-    named: list[Any], mesh: DeviceMesh, fn: Any, tp: list[TPLayout | None] | None
-) -> list[int] | None:
-    """The dim each parameter is split along, from ``shard_placement_fn`` (checked)."""
-    if fn is None:
-        return None
-    world = mesh.size(mesh.ndim - 1)
-    dims = []
-    for i, (fqn, p, _) in enumerate(named):
-        placement = fn(p)
-        if placement is None:
-            dims.append(0)
-            continue
-        if not isinstance(placement, Shard):
-            raise ValueError(
-                f"shard_placement_fn returned {placement!r} for {fqn!r}; return Shard(dim) "
-                "or None (Shard(0)); shardwise shards every parameter of one fully_shard call "
-                "over its mesh (no per-parameter mesh)"
-            )
-        dim = placement.dim + p.dim() if placement.dim < 0 else placement.dim
-        if not 0 <= dim < p.dim():
-            raise ValueError(
-                f"shard_placement_fn returned Shard({placement.dim}) for {fqn!r}, which has "
-                f"{p.dim()} dims {tuple(p.shape)}"
-            )
-        if dim != 0 and tp is not None and tp[i] is not None:
-            raise ValueError(
-                f"shard_placement_fn returned Shard({dim}) for the tensor parallel parameter "
-                f"{fqn!r}; shardwise splits TP parameters along dim 0 only"
-            )
-        if dim != 0 and p.shape[dim] % world:
-            raise ValueError(
-                f"shard_placement_fn: {fqn!r} has size {p.shape[dim]} along dim {dim}, which "
-                f"does not split evenly over {world} ranks; pick a dim it divides (or Shard(0), "
-                "which may be uneven)"
-            )
-        dims.append(dim)
-    return dims
 
 
 def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy | None:

@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 
 from . import offload
+from .mesh_part import Reduction
 from .param_group import ParamGroup
-from .reduce import ReduceJob
 from .settings import GroupSettings
 from .step_in_backward import BackwardSteps
 from .trace import active as active_trace
@@ -247,7 +247,7 @@ class FSDPContext:
         self.states = states
         self.phase = Phase.IDLE
         # Reductions in flight and the group each is of, in the order they started.
-        self.pending_reduces: list[tuple[ParamGroup, ReduceJob]] = []
+        self.pending_reduces: list[tuple[ParamGroup, Reduction]] = []
         self.downloads: list[Any] = []  # CPU offload: gradients copied to host, in flight
         # optimizer_in_backward: what this backward stepped (step_in_backward.py).
         self.steps: BackwardSteps[ParamGroup] = BackwardSteps()

@@ -118,7 +118,7 @@ class FlatShard:
             sp = ShardedParam(
                 fqn, locs, shape, p.requires_grad, self.world, self.rank, offset, dim, layout
             )
-            sp.index = len(self.params)
+            sp.index = sp.pos = len(self.params)
             if layout is None and has_hooks(p):  # a subclass that gathers itself (extensions.py)
                 sp.ext = Extension(fqn, p)
             self.params.append(sp)

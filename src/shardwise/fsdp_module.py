@@ -227,6 +227,7 @@ class FSDPModule(_TorchFSDPModule):
         if not callable(comm):
             raise TypeError(f"set_custom_all_gather expects a callable, got {comm!r}")
         _no_comm_alloc(self._groups(recurse=False), "set_custom_all_gather")
+        _one_mesh(self._groups(recurse=False), "set_custom_all_gather")
         for g in self._groups(recurse=False):
             g.use_custom_all_gather(comm)
 
@@ -236,6 +237,7 @@ class FSDPModule(_TorchFSDPModule):
         if not callable(comm):
             raise TypeError(f"set_custom_reduce_scatter expects a callable, got {comm!r}")
         _no_comm_alloc(self._groups(recurse=False), "set_custom_reduce_scatter")
+        _one_mesh(self._groups(recurse=False), "set_custom_reduce_scatter")
         for g in self._groups(recurse=False):
             g.settings.custom_reduce_scatter = comm
 
@@ -406,6 +408,16 @@ def _no_custom_comm(groups: list[ParamGroup], what: str) -> None:
         raise ValueError(
             f"{what}: this module has a custom all-gather or reduce-scatter, which allocates "
             "its own buffers; use one or the other"
+        )
+
+
+def _one_mesh(groups: list[ParamGroup], what: str) -> None:
+    """A custom collective is given one process group: refused where a module's
+    parameters are on meshes of their own (placement.py)."""
+    if any(not g.one_mesh for g in groups):
+        raise ValueError(
+            f"{what}: this module's parameters are sharded over several meshes "
+            "(shard_placement_fn), and a custom collective serves one process group"
         )
 
 

@@ -401,7 +401,7 @@ class _Unsharded(torch.autograd.Function):
         (anchor_edge,) = ctx.next_functions
         if will_run(anchor_edge[0]):
             for sp, g in zip(ctx.trainable, grads):
-                full[sp.index] = g
+                full[sp.pos] = g
         state.post_backward(full)
         return (None, None, None)
 

@@ -41,9 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, gather
+from . import collectives
 from .flat_shard import FlatShard, local_of
-from .reduce import HeldBack, ReduceJob
+from .mesh_part import MeshPart, Reduction, Reductions
 from .settings import GroupSettings
 from .sharded_param import ShardedParam
 from .step_in_backward import StepInBackward
@@ -113,7 +113,8 @@ def will_run(node: Any) -> bool:
 
 
 class ParamGroup:
-    """The parameters one ``fully_shard`` call owns, sharded over one mesh."""
+    """The parameters one ``fully_shard`` call owns, sharded over its mesh (or, by
+    ``shard_placement_fn``, over a mesh per parameter: one ``MeshPart`` each)."""
 
     def __init__(
         self,
@@ -123,14 +124,14 @@ class ParamGroup:
         label: str,
         tp: Sequence[TPLayout | None] | None = None,
         dims: Sequence[int] | None = None,
+        meshes: Sequence[DeviceMesh] | None = None,
     ) -> None:
         """``settings``: the module state's own (one object, settings.py); ``tp[i]``: how
         tensor parallelism split ``named[i]`` (None: a plain parameter); ``dims[i]``:
-        the dimension it is split along (default 0)."""
+        the dimension it is split along (default 0); ``meshes[i]``: the mesh it is
+        sharded over (default ``mesh``; placement.py)."""
         self.settings = settings
         self.mesh = mesh
-        self.shard_group = mesh.get_group(mesh.ndim - 1)
-        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         # Where gathered parameters and gradients live; the shards too, unless
         # offloaded to host memory (offload.py).
         cuda = mesh.device_type == "cuda"
@@ -138,16 +139,14 @@ class ParamGroup:
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
         self.state = GroupState.SHARDED
-        if settings.reduce_scatter_group is None:
-            settings.reduce_scatter_group = self.shard_group
         # optimizer_in_backward's stepper: steps this group once its gradients are reduced.
         self.step_in_backward: StepInBackward | None = None
         self.stepped = False  # stepped in this backward: gathering it again is refused
         self.kept: torch.Tensor | None = None  # what reshard_after_forward=int kept for backward
-        self.held_back = HeldBack()  # HSDP sums held back from the all-reduce
         self.prefetched = False  # gathered by another module's prefetch, not yet used
         self.last_used: list[bool] | None = None  # which parameters got gradients last time
-        self._pending: collectives.Pending | None = None
+        # The parts' gathers in flight (the list is this gather's identity: ``in_flight``).
+        self._pending: list[MeshPart] | None = None
         # The current forward's tracked parameters and the parameters they stand for.
         self.attachment: Attachment | None = None
         # Their autograd node, kept for backward (``reached_in_backward``).
@@ -158,15 +157,24 @@ class ParamGroup:
         _OptimizerSteps.watch()
         self._gathered_version = (-1, -1)  # what the last gather read (``stale``)
 
-        self.layout = FlatShard(named, mesh, self.device, settings, label, tp, dims)
-        self.params: list[ShardedParam] = self.layout.params
+        self.parts = _parts(named, mesh, meshes, self.device, settings, label, tp, dims)
+        self.params: list[ShardedParam] = [sp for p in self.parts for sp in p.layout.params]
+        # The call's mesh (the first part): what one-mesh callers and settings mean.
+        first = self.parts[0]
+        self.layout = first.layout
+        self.shard_group, self.replicate_group = first.shard_group, first.replicate_group
         self.world, self.rank = self.layout.world, self.layout.rank
         self.shard_numel = self.layout.shard_numel
-        self.has_tp = self.layout.has_tp
-        # Parameters that gather themselves share one packing (gather.py), kept
-        # across a change of strategy.
-        self.packed = gather.PackedGather() if self.layout.self_gathering else None
-        self.gather: gather.Gather = self._choose()
+        self.has_tp = any(p.layout.has_tp for p in self.parts)
+        if settings.reduce_scatter_group is None:
+            settings.reduce_scatter_group = self.shard_group
+        for part in self.parts:
+            part.choose(settings)
+
+    @property
+    def one_mesh(self) -> bool:
+        """Whether every parameter is sharded over the ``fully_shard`` call's mesh."""
+        return len(self.parts) == 1
 
     @property
     def label(self) -> str:
@@ -174,7 +182,8 @@ class ParamGroup:
 
     @label.setter
     def label(self, name: str) -> None:
-        self.layout.label = name  # what the collectives and copies are labelled by
+        for part in self.parts:
+            part.layout.label = name  # what the collectives and copies are labelled by
 
     @property
     def orig_dtype(self) -> torch.dtype:
@@ -193,7 +202,9 @@ class ParamGroup:
         flat shard holds nothing gathered, and may gather another way."""
         if self.state is GroupState.GATHERING:
             self.reshard()  # the gather in flight reads the old flat shard
-        rebuilt = self.layout.load_assigned(state_dict, keys)
+        rebuilt = False
+        for part in self.parts:
+            rebuilt |= part.layout.load_assigned(state_dict, keys[part.start : part.stop])
         if rebuilt:
             self.state = GroupState.SHARDED
             self.choose_gather()
@@ -212,16 +223,20 @@ class ParamGroup:
                 "regions, so its gradients would be computed with stepped parameters; use "
                 "use_reentrant=False there, or remove() the handle"
             )
-        layout = self.layout
-        if any(local_of(sp.sharded) is not t for sp, t in zip(self.params, layout.shard_locals)):
-            layout.repack()  # someone replaced the shards (to_empty, .to())
-            self.choose_gather()  # a new layout may gather another way
-        pending = self.gather.issue(self.kept)
-        if pending is None:  # nothing to wait for (aliased, a cast done at once)
+        in_flight = []
+        for part in self.parts:
+            if part.replaced():
+                part.layout.repack()  # someone replaced the shards (to_empty, .to())
+                part.choose(self.settings)  # a new layout may gather another way
+            assert part.gather is not None
+            part.pending = part.gather.issue(self.kept if part.first else None)
+            if part.pending is not None:  # else nothing to wait for (aliased, a cast done)
+                in_flight.append(part)
+        if not in_flight:
             self.state = GroupState.UNSHARDED
             self._install_plain()
         else:
-            self._pending = pending
+            self._pending = in_flight
             self.state = GroupState.GATHERING
 
     def prefetches(self, in_backward: bool, past_first: bool = False) -> bool:
@@ -234,9 +249,11 @@ class ParamGroup:
         rank); after it, the finished block has freed more activations than
         one layer cast ahead holds. An alias, or a cast on the CPU, never:
         gathering those ahead only holds memory sooner."""
-        if self.world > 1 or self.settings.offload_policy is not None:
+        if any(p.layout.world > 1 for p in self.parts) or self.settings.offload_policy is not None:
             return True
-        cast_on_gpu = self.device.type == "cuda" and not self.layout.aliased and self.packed is None
+        cast_on_gpu = self.device.type == "cuda" and all(
+            not p.layout.aliased and p.packed is None for p in self.parts
+        )
         return cast_on_gpu and (not in_backward or past_first)
 
     @property
@@ -250,8 +267,11 @@ class ParamGroup:
         if self.state is not GroupState.GATHERING:
             return
         assert self._pending is not None
-        self._pending.wait()
-        self.gather.finish()
+        for part in self._pending:
+            assert part.pending is not None and part.gather is not None
+            part.pending.wait()
+            part.gather.finish()
+            part.pending = None
         self._pending = self.kept = None
         self.state = GroupState.UNSHARDED
         self._install_plain()
@@ -277,18 +297,8 @@ class ParamGroup:
         ``use_custom_all_gather``, ``use_post_forward_group``)."""
         if self.state is GroupState.GATHERING:
             self.reshard()  # the gather in flight belongs to the old way
-        self.gather = self._choose()
-
-    def _choose(self) -> gather.Gather:
-        s = self.settings
-        comm = gather.GatherComm(
-            self.shard_group,
-            s.custom_all_gather,
-            s.comm_alloc,
-            s.post_forward_group,
-            s.offload_policy is not None,
-        )
-        return gather.choose(self.layout, comm, self.packed)
+        for part in self.parts:
+            part.choose(self.settings)
 
     def _shards_version(self) -> tuple[int, int]:
         # In-place updates through DTensor bump the parameter's own version
@@ -390,7 +400,7 @@ class ParamGroup:
         with warnings.catch_warnings():  # .grad of a non-leaf: read on purpose
             warnings.simplefilter("ignore", UserWarning)
             for sp, t in zip(att.params, att.tensors):
-                grads[sp.index], t.grad = t.grad, None
+                grads[sp.pos], t.grad = t.grad, None
         if any(g is not None for g in grads):
             self.accumulate(grads)
 
@@ -407,17 +417,21 @@ class ParamGroup:
             self.kept = None
         if self.state is GroupState.GATHERING:
             assert self._pending is not None
-            self._pending.wait()
+            for part in self._pending:
+                assert part.pending is not None and part.gather is not None
+                part.pending.wait()
+                part.pending = None
+                part.gather.drop()
             self._pending = None
-            self.gather.drop()
         elif self.state is GroupState.SHARDED:
             return
         for sp in self.params:
             sp.install(sp.sharded)
             if sp.ext is not None:
                 sp.ext.free()
-        if not self.layout.aliased:
-            self.layout.unsharded_flat.untyped_storage().resize_(0)
+        for part in self.parts:
+            if not part.layout.aliased:
+                part.layout.unsharded_flat.untyped_storage().resize_(0)
         # The attachment survives a reshard: a module called twice in one forward
         # uses the same autograd outputs (the storage is refilled in place), so
         # its backward runs one post-backward. The context clears it per forward.
@@ -440,13 +454,13 @@ class ParamGroup:
     def unsharded_bytes(self) -> int:
         """Bytes of unsharded storage this group holds right now (also a kept part)."""
         kept = 0 if self.kept is None else self.kept.nbytes
-        return self.layout.unsharded_nbytes + kept
+        return sum(p.layout.unsharded_nbytes for p in self.parts) + kept
 
     # ---- gradients ----------------------------------------------------------------------
 
     def reduce_grads(
         self, grads: list[torch.Tensor | None], last_backward: bool, downloads: list[Any]
-    ) -> ReduceJob | None:
+    ) -> Reduction | None:
         """Start averaging the unsharded gradients; returns the job in flight (None:
         nothing to reduce now). Its ``finish`` returns the reduced shards, which
         ``assign_grads`` puts on ``.grad``.
@@ -466,25 +480,23 @@ class ParamGroup:
             ]
             self._accum = None
         used = [g is not None for g in grads]
-        held_back = self.held_back.sums
-        if not any(used) and held_back is not None and self.settings.requires_all_reduce:
+        if not any(used) and self.settings.requires_all_reduce:
             # HSDP sums held back, of a module this backward did not reach:
             # zeros carry them through the reduce-scatter to the all-reduce.
-            held = set(held_back[0])
-            used = [sp.index in held for sp in self.params]
+            for part in self.parts:
+                if part.held_back.sums is not None:
+                    held = set(part.held_back.sums[0])
+                    for sp in part.layout.params:
+                        used[sp.pos] = sp.index in held
         self.last_used = used
         if not any(used):
             return None
-        return ReduceJob(
-            self.layout,
-            self.settings,
-            self.replicate_group,
-            self.held_back,
-            grads,
-            used,
-            last_backward,
-            downloads,
-        )
+        jobs = [
+            (part, job)
+            for part in self.parts
+            if (job := part.reduce(self.settings, grads, used, last_backward, downloads))
+        ]
+        return jobs[0][1] if self.one_mesh else Reductions(jobs, len(self.params))
 
     def grads_to_step(self) -> list[tuple[Any, Any]]:
         """The sharded parameters with a gradient, and those gradients as they are now
@@ -521,17 +533,19 @@ class ParamGroup:
         if not self.settings.requires_gradient_sync:
             return False
         return self._accum is not None or (
-            self.held_back.sums is not None and self.settings.requires_all_reduce
+            any(p.held_back.sums is not None for p in self.parts)
+            and self.settings.requires_all_reduce
         )
 
     def clear_accumulated(self) -> None:
         """Drop local sums and held-back reductions (``reset_iter_state``)."""
         self._accum = None
-        self.held_back.sums = None
+        for part in self.parts:
+            part.held_back.sums = None
 
     def assign_grads(self, shards: list[Any], used: list[bool]) -> None:
         """Put a finished reduction's shards (``ReduceJob.finish``) on ``.grad``."""
-        orig_dtype = self.layout.orig_dtype
+        orig_dtype = self.orig_dtype
         for sp, g, u in zip(self.params, shards, used):
             if not u:
                 continue
@@ -549,3 +563,40 @@ class ParamGroup:
             if hooks:
                 for hook in list(hooks.values()):
                     hook(p)
+
+
+def _parts(
+    named: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+    mesh: DeviceMesh,
+    meshes: Sequence[DeviceMesh] | None,
+    device: torch.device,
+    settings: GroupSettings,
+    label: str,
+    tp: Sequence[TPLayout | None] | None,
+    dims: Sequence[int] | None,
+) -> list[MeshPart]:
+    """One part per mesh: the call's mesh first, then the others in the order their
+    first parameter comes (the same on every rank: the order of the module's
+    parameters)."""
+    if meshes is None:
+        return [MeshPart(FlatShard(named, mesh, device, settings, label, tp, dims), mesh, 0, True)]
+    order: list[DeviceMesh] = [mesh] if any(m == mesh for m in meshes) else []
+    for m in meshes:
+        if not any(m == o for o in order):
+            order.append(m)
+    parts: list[MeshPart] = []
+    start = 0
+    for m in order:
+        idx = [i for i, own in enumerate(meshes) if own == m]
+        layout = FlatShard(
+            [named[i] for i in idx],
+            m,
+            device,
+            settings,
+            label,
+            None if tp is None else [tp[i] for i in idx],
+            None if dims is None else [dims[i] for i in idx],
+        )
+        parts.append(MeshPart(layout, m, start, first=not parts))
+        start += len(idx)
+    return parts

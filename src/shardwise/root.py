@@ -26,8 +26,8 @@ import torch
 
 from .check import check_backward_end
 from .context import FSDPContext, ModuleLifecycle, Phase
+from .mesh_part import Reduction
 from .param_group import ParamGroup
-from .reduce import ReduceJob
 from .step_in_backward import StepInBackward
 
 # ---- forward ----------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def finish_reduces(ctx: FSDPContext, keep: int = 0, overlap: bool = False) -> No
     holds meanwhile is one reduced shard, not the reduce-scatter's input.
     """
     pending = ctx.pending_reduces
-    staying: list[tuple[ParamGroup, ReduceJob]] = []
+    staying: list[tuple[ParamGroup, Reduction]] = []
     try:
         for _ in range(len(pending) - keep):
             # Off the list first: a job that raises is not finished twice

@@ -47,7 +47,8 @@ class ShardedParam:
     offset: int  # start of this parameter's slot in the per-rank flat shard
     dim: int = 0  # the dimension split over the ranks
     tp: TPLayout | None = None
-    index: int = 0  # position in its group
+    index: int = 0  # position in its layout (its mesh's part of the group)
+    pos: int = 0  # position in its group (= index, unless the group spans meshes)
     ext: Extension | None = None  # a tensor subclass that gathers itself (extensions.py)
     sharded: nn.Parameter = field(init=False)
     unsharded: torch.Tensor = field(init=False)

@@ -105,6 +105,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("check",),  # lifecycle checks: read the context and the modules' lifecycles
     ("context",),  # the root's shared state and each module's lifecycle (phase, ALLOWED)
     ("param_group",),  # one group's gather/reshard/reduce lifecycle
+    ("mesh_part",),  # a group's parameters on one mesh, and its parts' reductions as one
     ("gather", "reduce", "step_in_backward"),  # strategies, given the layout; the stepper
     ("flat_shard",),  # the layout
     ("sharded_param",),
@@ -115,7 +116,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Collectives that know the node boundary, composed of collectives.py's calls.
     ("node_collectives",),
     ("precision", "tensor_parallel", "collectives", "offload", "comm_policy"),
-    ("containers", "labels", "quantize"),
+    ("containers", "labels", "quantize", "placement"),
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 RUNTIME_FILES = sorted(p.stem for p in RUNTIME.glob("*.py") if p.name not in RUN_ONLY)

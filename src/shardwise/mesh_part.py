@@ -1,0 +1,161 @@
+"""A group's parameters on one mesh: ``MeshPart``; and its reductions as one job.
+
+Almost every group has one part: all of a ``fully_shard`` call's parameters
+on its mesh. A ``shard_placement_fn`` that returns a mesh per parameter
+(placement.py; torchtitan's expert parallelism) gives the group one part per
+mesh. A part is what one collective can move: its own layout (``FlatShard``:
+a flat shard and an unsharded buffer sized by its mesh's world), its own
+process groups, the strategy it gathers by, the gather it has in flight and
+its HSDP sums held back. The group (param_group.py) still runs one lifecycle:
+one gather state, one attachment, one post-backward; it issues each part's
+gather and waits for them all, and starts one ``ReduceJob`` per part with
+gradients, which ``Reductions`` finishes as one.
+
+Alternatives considered: one ``ParamGroup`` per mesh under one module state
+(FSDP2's list of param groups) would give a module several post-backwards,
+anchors and attachments, each a lifecycle the hooks would have to keep in
+step; one part per mesh keeps everything above the collectives unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import collectives, gather
+from .flat_shard import FlatShard, local_of
+from .reduce import HeldBack, ReduceJob
+from .settings import GroupSettings
+
+
+class MeshPart:
+    """The parameters of a group on one mesh: ``layout.params``, group positions
+    ``start`` to ``start + len(layout.params)``."""
+
+    def __init__(self, layout: FlatShard, mesh: DeviceMesh, start: int, first: bool) -> None:
+        """``first``: the part on the ``fully_shard`` call's mesh (or the only one),
+        to which the group-wide communication settings apply (a custom all-gather,
+        an allocator, a separate reduce-scatter group, a post-forward group)."""
+        self.layout = layout
+        self.mesh = mesh
+        self.start = start
+        self.first = first
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.held_back = HeldBack()  # HSDP sums held back from the all-reduce
+        # Parameters that gather themselves share one packing (gather.py), kept
+        # across a change of strategy.
+        self.packed = gather.PackedGather() if layout.self_gathering else None
+        self.gather: gather.Gather | None = None
+        self.pending: collectives.Pending | None = None
+        for sp in layout.params:
+            sp.pos = start + sp.index
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.layout.params)
+
+    def choose(self, settings: GroupSettings) -> None:
+        """Decide how this part gathers (gather.py), from the group's settings."""
+        comm = gather.GatherComm(
+            self.shard_group,
+            settings.custom_all_gather if self.first else None,
+            settings.comm_alloc if self.first else None,
+            settings.post_forward_group if self.first else None,
+            settings.offload_policy is not None,
+        )
+        self.gather = gather.choose(self.layout, comm, self.packed)
+
+    def replaced(self) -> bool:
+        """Whether someone replaced the shards (``to_empty``, ``.to()``): repack."""
+        return any(
+            local_of(sp.sharded) is not t
+            for sp, t in zip(self.layout.params, self.layout.shard_locals)
+        )
+
+    def settings_for_reduce(self, settings: GroupSettings) -> GroupSettings:
+        """The group's settings as this part's reduction reads them: another part
+        reduce-scatters over its own mesh's group (a copy, made per reduction, so the
+        setters' latest values hold)."""
+        if self.first:
+            return settings
+        return replace(settings, reduce_scatter_group=self.shard_group, custom_reduce_scatter=None)
+
+    def reduce(
+        self,
+        settings: GroupSettings,
+        grads: Sequence[torch.Tensor | None],
+        used: Sequence[bool],
+        last_backward: bool,
+        downloads: list[Any],
+    ) -> ReduceJob | None:
+        """This part's reduction of ``grads`` (the group's, by position), None if
+        none of its parameters has a gradient to reduce."""
+        mine = list(used[self.start : self.stop])
+        if not any(mine):
+            return None
+        return ReduceJob(
+            self.layout,
+            self.settings_for_reduce(settings),
+            self.replicate_group,
+            self.held_back,
+            list(grads[self.start : self.stop]),
+            mine,
+            last_backward,
+            downloads,
+        )
+
+
+class Reductions:
+    """The reductions of a group's parts, finished as one job: what root.py does
+    with a ``ReduceJob`` (``overlaps``, ``scattered``, ``finish``, ``discard``),
+    with shards and ``used`` by group position."""
+
+    def __init__(self, jobs: list[tuple[MeshPart, ReduceJob]], size: int) -> None:
+        self.jobs = jobs
+        self.size = size
+        self.last_backward = jobs[0][1].last_backward
+        self.used = [False] * size
+        for part, job in jobs:
+            self.used[part.start : part.stop] = job.used
+
+    @property
+    def overlaps(self) -> bool:
+        return any(job.overlaps for _, job in self.jobs)
+
+    @property
+    def downloaded(self) -> Any:
+        # Offload's copies to the host run in order on one stream: the last one's
+        # event says every earlier one has arrived too.
+        events = [job.downloaded for _, job in self.jobs if job.downloaded is not None]
+        return events[-1] if events else None
+
+    def scattered(self) -> None:
+        for _, job in self.jobs:
+            job.scattered()
+
+    def discard(self) -> None:
+        for _, job in self.jobs:
+            job.discard()
+
+    def finish(self) -> list[Any] | None:
+        """Every part's shards by group position; None only when every part held its
+        sums back (HSDP, ``set_requires_all_reduce(False)``)."""
+        shards: list[Any] = [None] * self.size
+        any_shards = False
+        for part, job in self.jobs:
+            got = job.finish()
+            if got is None:  # held back: nothing for its parameters this time
+                self.used[part.start : part.stop] = [False] * (part.stop - part.start)
+                continue
+            shards[part.start : part.stop] = got
+            any_shards = True
+        return shards if any_shards else None
+
+
+# What a group's ``reduce_grads`` starts: one part's job, or every part's.
+Reduction = ReduceJob | Reductions
