@@ -11,6 +11,7 @@ See docs/design.md for the lifecycle every sharded module follows.
 from . import observe
 from .api import fully_shard, hsdp_mesh, no_sync
 from .clip import clip_grad_norm_
+from .comm_policy import CommPolicy
 from .context import FSDPContext, LifecycleError, Phase
 from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from .materialize import materialize
@@ -23,6 +24,7 @@ from .trace import Tracer, trace
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CommPolicy",
     "FSDPContext",
     "FSDPModule",
     "LifecycleError",

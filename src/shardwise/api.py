@@ -18,7 +18,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import collectives, pipeline, placement
+from . import collectives, comm_policy, node_collectives, pipeline, placement
+from .comm_policy import CommPolicy
 from .extensions import Extension, has_hooks
 from .fsdp_module import FSDPModule
 from .module import ModuleState, outside_compile
@@ -76,6 +77,7 @@ def fully_shard(
     dp_mesh_dims: Any = None,
     prefetch: int = 1,
     check: bool | None = None,
+    comm_policy: CommPolicy | None = None,
 ) -> Any:
     """Shard ``module``'s parameters over ``mesh``, gathering them only while it runs.
 
@@ -119,6 +121,11 @@ def fully_shard(
     ``offload_policy=CPUOffloadPolicy()`` keeps the sharded parameters, their
     gradients and the optimizer state in CPU memory (offload.py).
 
+    ``comm_policy`` (``CommPolicy``, comm_policy.py) says how the collectives treat
+    the node boundary: weights gathered as int8 blocks, backward's gathers kept
+    inside the node, gradients reduced inside the node and then across nodes as
+    int8 blocks. Off by default; docs/design.md has the numbers.
+
     ``prefetch`` is how many modules ahead (in forward, then backward order)
     are gathered while this one computes. ``check=True`` (or ``SHARDWISE_CHECK=1``
     when this is called) verifies the lifecycle at every forward entry and
@@ -145,6 +152,7 @@ def fully_shard(
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (modules gathered ahead), got {prefetch!r}")
     raf, post_forward_size = _resolve_reshard(reshard_after_forward, mesh)
+    policy_set, post_forward_size = _comm_policy(comm_policy, mesh, post_forward_size)
     policy = _as_policy(mp_policy)
     offload = check_offload_policy(offload_policy, mesh)
     ignored = {id(p) for p in ignored_params or ()}
@@ -169,12 +177,15 @@ def fully_shard(
         check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
     # Made before anything changes: new_group can fail (a timeout, a backend).
     smaller = post_forward_group(mesh, post_forward_size) if named and post_forward_size else None
+    if named and policy_set is not None:
+        _node_groups_for(policy_set, mesh)
     settings = GroupSettings(
         mp_policy=policy or MixedPrecisionPolicy(),
         offload_policy=offload,
         prefetch=prefetch,
         reshard_after_forward_setting=raf,
         reshard_after_forward=raf is not False,
+        comm_policy=policy_set,
     )
     state = ModuleState(modules, settings, label, bool(check))
     if named:
@@ -201,6 +212,42 @@ def fully_shard(
             )
         m.__class__ = _subclass_cache[cls]
     return module
+
+
+def _comm_policy(
+    policy: CommPolicy | None, mesh: DeviceMesh, post_forward_size: int
+) -> tuple[CommPolicy | None, int]:
+    """The communication policy checked (None where it changes nothing), and the
+    post-forward group size its node-local backward asks for. The node size, when
+    the policy names none, is the launcher's ``LOCAL_WORLD_SIZE`` if it divides the
+    shard group (torchrun sets it: the processes of one machine)."""
+    if policy is None:
+        return None, post_forward_size
+    world = mesh.size(mesh.ndim - 1)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    derived = int(local) if local.isdigit() and int(local) > 0 and world % int(local) == 0 else None
+    policy = comm_policy.check(policy, world, torch.device(mesh.device_type), derived)
+    if not policy.enabled:
+        return None, post_forward_size
+    node = policy.node_size
+    if policy.node_local_backward and node is not None and node < world:
+        if post_forward_size not in (0, node):
+            raise ValueError(
+                f"reshard_after_forward={post_forward_size} and CommPolicy(node_local_backward="
+                f"True, node_size={node}) ask for different post-forward groups; give one"
+            )
+        post_forward_size = node
+    return policy, post_forward_size
+
+
+def _node_groups_for(policy: CommPolicy, mesh: DeviceMesh) -> None:
+    """Make the hierarchical reduction's node and cross groups now (a collective over
+    the shard group), so that a failure comes before anything changed and none is
+    made in the middle of a backward."""
+    world = mesh.size(mesh.ndim - 1)
+    node = policy.node_size
+    if policy.quantize_reduce and node is not None and 1 < node < world:
+        node_collectives.node_groups(mesh.get_group(mesh.ndim - 1), node)
 
 
 def _check_mesh_parts(label: str, spmd: bool, post_forward_size: int, named: list[Any]) -> None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from . import collectives, root
+from . import collectives, comm_policy, node_collectives, root
+from .comm_policy import CommPolicy
 from .context import FSDPContext, Phase, RootSettings
 from .module import ModuleState
 from .param_group import ParamGroup
@@ -263,6 +265,31 @@ class FSDPModule(_TorchFSDPModule):
             )
         for s in states:
             s.settings.max_reduces_in_flight = max_input_buffers
+
+    def set_comm_policy(self, policy: CommPolicy | None, *, recurse: bool = True) -> None:
+        """Gather and reduce by ``policy`` from the next gather and reduction on (None:
+        plainly), as ``fully_shard(comm_policy=...)``. Every rank calls it: making the
+        node groups is a collective over the shard group. Checked for every module
+        before any changes; a node-local backward replaces an int
+        ``reshard_after_forward`` (as a bool does)."""
+        groups = self._groups(recurse)
+        checked: list[tuple[ParamGroup, CommPolicy | None]] = []
+        for g in groups:
+            if policy is None:
+                checked.append((g, None))
+                continue
+            p = comm_policy.check(policy, g.world, torch.device(g.device.type))
+            checked.append((g, p if p.enabled else None))
+        for g, p in checked:
+            node = p.node_size if p is not None else None
+            if p is not None and p.quantize_reduce and node is not None and 1 < node < g.world:
+                node_collectives.node_groups(g.shard_group, node)
+            was = g.settings.comm_policy
+            if p is not None and p.node_local_backward and node is not None and node < g.world:
+                g.use_post_forward_group(node_collectives.node_groups(g.shard_group, node).node)
+            elif was is not None and was.node_local_backward:
+                g.use_post_forward_group(None)
+            g.use_comm_policy(p)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True

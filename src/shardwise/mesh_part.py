@@ -67,6 +67,7 @@ class MeshPart:
             settings.comm_alloc if self.first else None,
             settings.post_forward_group if self.first else None,
             settings.offload_policy is not None,
+            settings.comm_policy if self.first else None,
         )
         self.gather = gather.choose(self.layout, comm, self.packed)
 
@@ -79,11 +80,17 @@ class MeshPart:
 
     def settings_for_reduce(self, settings: GroupSettings) -> GroupSettings:
         """The group's settings as this part's reduction reads them: another part
-        reduce-scatters over its own mesh's group (a copy, made per reduction, so the
+        reduce-scatters over its own mesh's group, without the communication policy,
+        whose node groups are the first part's (a copy, made per reduction, so the
         setters' latest values hold)."""
         if self.first:
             return settings
-        return replace(settings, reduce_scatter_group=self.shard_group, custom_reduce_scatter=None)
+        return replace(
+            settings,
+            reduce_scatter_group=self.shard_group,
+            custom_reduce_scatter=None,
+            comm_policy=None,
+        )
 
     def reduce(
         self,

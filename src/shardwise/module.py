@@ -99,8 +99,11 @@ class ModuleState(ModuleLifecycle):
             s.bwd_default = backward.targets[len(states) - 1 - i]
         return ctx
 
-    def _gather(self, prefetch: Sequence[ModuleLifecycle]) -> None:
-        """Issue our gather and wait for it, then issue the prefetches.
+    def _gather(self, prefetch: Sequence[ModuleLifecycle], backward: bool = False) -> None:
+        """Issue our gather and wait for it, then issue the prefetches. ``backward``:
+        ours is for this module's backward (a recomputed forward's is a forward's:
+        it must compute with what the first forward gathered); prefetches in a
+        backward are for the backward of the modules they gather.
 
         Ours first: where a copy-out follows the gather, it frees the gather
         buffer before a prefetch allocates another, so one is alive, not two
@@ -116,7 +119,7 @@ class ModuleState(ModuleLifecycle):
         if tracer is not None and group.state is not GroupState.UNSHARDED:
             tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
         group.prefetched = False
-        group.wait_unsharded()
+        group.wait_unsharded(backward)
         ctx = self.context
         in_backward = ctx is not None and ctx.phase is Phase.BACKWARD
         past_first = in_backward and ctx is not None and ctx.backwards_done > 0
@@ -129,7 +132,7 @@ class ModuleState(ModuleLifecycle):
             if in_backward and g is not None and not g.reached_in_backward():
                 continue  # this backward stops before it (autograd.grad on an activation)
             if g is not None and not s.backward_done and g.state is GroupState.SHARDED:
-                g.unshard()
+                g.unshard(in_backward)
                 g.prefetched = True
                 if self.context is not None and self.context.check:
                     self.context.log(f"{s.label}: prefetched by {self.label}")
@@ -256,7 +259,7 @@ class ModuleState(ModuleLifecycle):
         self._set_phase(Phase.BACKWARD)
         if not self.settings.unshard_in_backward:
             return  # the user's promise: no parameter of this module is needed (an embedding)
-        self._gather(targets if targets is not None else self.bwd_default)
+        self._gather(targets if targets is not None else self.bwd_default, backward=True)
         if self.group is not None and attachment is not None:
             # Checkpointing inside this module recomputes its body next, without
             # our hooks: it must read the forward's autograd-tracked parameters.

@@ -212,8 +212,10 @@ class ParamGroup:
 
     # ---- unshard / reshard --------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """Issue this group's all-gather (async); ``wait_unsharded`` finishes it."""
+    def unshard(self, backward: bool = False) -> None:
+        """Issue this group's all-gather (async); ``wait_unsharded`` finishes it.
+        ``backward``: for a backward's gradients (a communication policy may gather
+        those at full precision; a recomputed forward's gather is a forward's)."""
         if self.state is not GroupState.SHARDED:
             return
         if self.stepped:
@@ -229,7 +231,7 @@ class ParamGroup:
                 part.layout.repack()  # someone replaced the shards (to_empty, .to())
                 part.choose(self.settings)  # a new layout may gather another way
             assert part.gather is not None
-            part.pending = part.gather.issue(self.kept if part.first else None)
+            part.pending = part.gather.issue(self.kept if part.first else None, backward)
             if part.pending is not None:  # else nothing to wait for (aliased, a cast done)
                 in_flight.append(part)
         if not in_flight:
@@ -261,9 +263,9 @@ class ParamGroup:
         """The gather issued and not yet waited for (None: none is)."""
         return self._pending if self.state is GroupState.GATHERING else None
 
-    def wait_unsharded(self) -> None:
+    def wait_unsharded(self, backward: bool = False) -> None:
         if self.state is GroupState.SHARDED:
-            self.unshard()
+            self.unshard(backward)
         if self.state is not GroupState.GATHERING:
             return
         assert self._pending is not None
@@ -285,6 +287,11 @@ class ParamGroup:
         self.settings.custom_all_gather = comm
         self.choose_gather()
 
+    def use_comm_policy(self, policy: Any) -> None:
+        """Gather and reduce by ``policy`` (a checked ``CommPolicy``; None: plainly)."""
+        self.settings.comm_policy = policy
+        self.choose_gather()
+
     def use_post_forward_group(self, group: Any) -> None:
         """``reshard_after_forward=int``'s group of n ranks (None: none; a bool replaced it)."""
         self.settings.post_forward_group = group
@@ -294,7 +301,7 @@ class ParamGroup:
     def choose_gather(self) -> None:
         """Decide how this group gathers (gather.py): when its layout is built or
         rebuilt and when a setting that decides it changes (``use_comm_alloc``,
-        ``use_custom_all_gather``, ``use_post_forward_group``)."""
+        ``use_custom_all_gather``, ``use_post_forward_group``, ``use_comm_policy``)."""
         if self.state is GroupState.GATHERING:
             self.reshard()  # the gather in flight belongs to the old way
         for part in self.parts:
