@@ -202,7 +202,7 @@ def parallel_dims(cfg: Any, world: int) -> Any:
 
 def train(
     rank: int, world: int, impl: str, model: str, experts: int = 4, count: bool = False,
-    cp_attention: bool = False, **parallel: Any,
+    cp_attention: bool = False, shard1_experts: bool = False, **parallel: Any,
 ) -> dict[str, list[float]]:  # fmt: skip
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
@@ -254,6 +254,13 @@ def train(
                 want = ref["init"][name]
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(redistributed(want, p))
+    if shard1_experts:  # what the ep1 cases are for: torchtitan chose Shard(1) for them
+        from torch.distributed.tensor import Shard
+
+        experts = [p for n, p in parts[0].named_parameters() if "inner_experts" in n]
+        assert experts and all(p.placements == (Shard(1),) for p in experts), [
+            p.placements for p in experts
+        ]
     opt = cfg.optimizer.build(model_parts=parts)
     groups = sum(reduced_groups(part, impl) for part in parts)
 
@@ -401,7 +408,10 @@ def run(rank: int, world: int, impl: str, case: str) -> Any:
             expert_parallel_degree=2,
         )  # fmt: skip
     if kind == "ep1":  # fewer experts than FSDP ranks: torchtitan shards them on dim 1
-        return train(rank, world, impl, arg, experts=2, data_parallel_shard_degree=world)
+        return train(
+            rank, world, impl, arg, experts=2, shard1_experts=True,
+            data_parallel_shard_degree=world,
+        )  # fmt: skip
     if kind == "cp":  # FSDP over dp_shard x cp, CP's attention left out (no CPU path)
         return train(
             rank, world, impl, arg, data_parallel_shard_degree=world // 2,
