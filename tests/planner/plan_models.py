@@ -12,3 +12,9 @@ def deep_narrow() -> nn.Module:
     """12 narrow blocks at a short context: the parameters and their optimizer state, not
     the activations, decide where a step peaks."""
     return GPT(GPTConfig(seq_len=16, n_layer=12, n_head=4, d_model=256))
+
+
+def comm_bound() -> nn.Module:
+    """Two wide blocks at a tiny batch: at 16 ranks on a GPU's rates the step is mostly
+    communication across nodes, which a communication policy cuts."""
+    return GPT(GPTConfig(seq_len=16, n_layer=2, n_head=4, d_model=512))

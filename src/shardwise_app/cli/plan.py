@@ -25,6 +25,9 @@ HF_PREFIX = "hf:"
 HARDWARE_NAMES = ("h100", "h200", "b200", "cpu")  # shardwise_plan.HARDWARE
 OPTIMIZER_NAMES = ("adamw", "adamw-foreach", "adamw-fused", "sgd")  # shardwise_plan.OPTIMIZERS
 BUDGET_POLICIES = 16  # shardwise_plan.candidate_policies: 2 x 2 x 2 x 2
+# With the communication policies: x 5, less hpZ with nothing resharded (2 x 8).
+BUDGET_COMM_POLICIES = 64
+COMM_POLICY_NAMES = ("none", "qwz", "hpz", "qgz", "zeropp")  # shardwise_plan.COMM_NAMES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -79,10 +82,18 @@ def parser() -> argparse.ArgumentParser:
         "--offload", action="store_true", help="CPU offload of shards, gradients, optimizer state"
     )
     how.add_argument(
+        "--comm-policy", default=None, metavar="NAME",
+        help=f"communication across nodes: {', '.join(COMM_POLICY_NAMES)} (qwz: int8 weight "
+        "gathers; hpz: backward gathers inside the node; qgz: gradients reduced in the node, "
+        "then int8 across; zeropp: all three), or techniques joined by + (default none; "
+        "with --budget, every one is tried where the world spans nodes)",
+    )  # fmt: skip
+    how.add_argument(
         "--budget", type=float, default=None, metavar="GIB",
         help=f"instead, plan every policy a user would pick ({BUDGET_POLICIES}: checkpointing, "
         "resharding, offload, prefetch depth, over the flags above) and print the fastest "
-        f"whose peak fits GIB per rank; it takes up to {BUDGET_POLICIES} plans' time",
+        f"whose peak fits GIB per rank; it takes up to {BUDGET_POLICIES} plans' time, "
+        f"{BUDGET_COMM_POLICIES} where it tries the communication policies too",
     )  # fmt: skip
     where = p.add_argument_group("the machine")
     where.add_argument(
@@ -93,6 +104,11 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--rates", default=None, metavar="FILE",
         help="instead of --hardware, the rates `shardwise calibrate --out FILE` measured",
+    )  # fmt: skip
+    where.add_argument(
+        "--node-size", type=int, default=None, metavar="N",
+        help="ranks a node, which splits intra- from inter-node traffic (default: the "
+        "hardware's, 8 for the GPUs)",
     )  # fmt: skip
     out = p.add_argument_group("output")
     out.add_argument("--json", default=None, metavar="FILE", help="write the prediction as JSON")
@@ -189,6 +205,8 @@ def print_plan(p: Any, title: str) -> None:
         t.add_row("host peak", gib(p.host_peak_bytes))
     for kind, n in p.collectives["bytes_per_rank"].items():
         t.add_row(f"{kind} moved", gib(n))
+    for link, n in p.collectives.get("bytes_per_link", {}).items():
+        t.add_row(f"received over {link}-node links", gib(n))
     tm = p.time
     t.add_row("compute ms", f"{tm.compute_s * 1e3:.2f}")
     t.add_row("communication ms", f"{tm.comm_s * 1e3:.2f}")
@@ -289,6 +307,20 @@ def check_args(args: Any) -> None:
         raise UsageError(f"--seq-len must be at least 1, got {args.seq_len}")
     if args.budget is not None and args.budget <= 0:
         raise UsageError(f"--budget must be a positive number of GiB, got {args.budget}")
+    if args.node_size is not None and args.node_size < 1:
+        raise UsageError(f"--node-size must be at least 1, got {args.node_size}")
+    if args.comm_policy is not None:
+        from shardwise_plan import parse_comm
+
+        try:
+            comm = parse_comm(args.comm_policy)
+        except ValueError as e:
+            raise UsageError(f"--comm-policy: {e}") from None
+        if comm.active and args.measure:
+            raise UsageError(
+                "--measure runs the step without a communication policy (the measured run "
+                "does not take one yet): leave out --measure or --comm-policy"
+            )
     if args.rates and args.hardware:
         raise UsageError("--rates and --hardware both say which rates to use: give one")
     if args.launches is not None:
@@ -340,10 +372,11 @@ def main(argv: list[str]) -> int:
     check_args(args)
     hw = hardware(args)
     build, seq = resolve_model(args.model, args.seq_len)
-    from shardwise_plan import GIB, NothingFits, Policy, fastest_within, plan
+    from shardwise_plan import GIB, NothingFits, fastest_within, plan
 
-    raf = args.reshard_after_forward
-    policy = Policy(args.mp, args.ac, raf, args.offload)
+    policy = policy_of(args)
+    comms = budget_comms(args, hw) if args.budget is not None else []
+    check_policy(args, policy, hw)
     batch = args.batch_size
     kw: dict[str, Any] = dict(
         batch_size=batch, seq_len=seq, hsdp=args.hsdp, hardware=hw, optimizer=args.optimizer
@@ -351,7 +384,7 @@ def main(argv: list[str]) -> int:
     try:
         if args.budget is not None:
             best, tried = fastest_within(
-                build, args.world_size, int(args.budget * GIB), base=policy, **kw
+                build, args.world_size, int(args.budget * GIB), base=policy, comms=comms, **kw
             )
         else:
             best, tried = plan(build, args.world_size, policy=policy, **kw), []
@@ -384,6 +417,41 @@ def main(argv: list[str]) -> int:
     if args.plot:
         plot(best, args.plot)
     return 0
+
+
+def policy_of(args: Any) -> Any:
+    """The policy the flags name (a budget search varies it)."""
+    from shardwise_plan import CommPolicy, Policy, parse_comm
+
+    comm = parse_comm(args.comm_policy or "none", args.node_size)
+    if not comm.active and args.node_size is not None:
+        comm = CommPolicy(node_size=args.node_size)
+    return Policy(args.mp, args.ac, args.reshard_after_forward, args.offload, comm=comm)
+
+
+def budget_comms(args: Any, hw: Any) -> list[Any]:
+    """The communication policies a budget search tries: each, where the world spans
+    nodes of a flat mesh and --comm-policy names none; else the one it names."""
+    from shardwise_plan import COMM_NAMES, parse_comm
+
+    node = args.node_size or hw.ranks_per_node
+    spans = args.world_size > node and args.world_size % node == 0
+    if args.comm_policy is not None or args.hsdp > 1 or not spans:
+        return []
+    return [parse_comm(n, args.node_size) for n in COMM_NAMES]
+
+
+def check_policy(args: Any, policy: Any, hw: Any) -> None:
+    """What the policy cannot be at this world (the node size, HSDP, hpZ's resharding),
+    known once the hardware is: one line, before any work."""
+    from shardwise_plan.plan import check_comm
+
+    node = policy.comm.node_size or hw.ranks_per_node
+    try:
+        check_comm(policy, args.world_size, args.hsdp, node)
+    except ValueError as e:
+        flag = f"--comm-policy {policy.comm.name()}" if policy.comm.active else "--node-size"
+        raise UsageError(f"{flag}: {e}") from None
 
 
 def _cuda() -> bool:
