@@ -41,11 +41,6 @@ WORLD4 = PP_CASES + EP_CASES + CP_CASES
 
 # Cases that need what the library does not do yet, under shardwise only: a strict
 # xfail each, so the suite says when they start to pass.
-PER_PARAM_MESH = (
-    "shardwise has no per-parameter mesh yet (issue #50 part 2): torchtitan's EP > 1 "
-    "shard_placement_fn returns ShardPlacementResult(placement, mesh_info), experts on "
-    "efsdp, the rest on fsdp"
-)
 UNFLATTENED_MESH = (
     "shardwise refuses FSDP over a mesh unflattened from a 1-D world mesh (torchtitan's "
     "ParallelDims: world._unflatten(0, ..., ('pp', 'dp_replicate', 'fsdp', 'tp'))) for "
@@ -53,10 +48,17 @@ UNFLATTENED_MESH = (
     "mesh's dimensions ('fsdp',) are not dimensions of the root mesh ('world',) (a "
     "flattened mesh?)'; torch's FSDP2 takes it"
 )
+# The experts are DTensors on torchtitan's ep dimension, so fully_shard composes them
+# as tensor parallel: refused as above, and checked against the module's fsdp mesh,
+# not the efsdp mesh their ShardPlacementResult names.
+EXPERTS_ON_EP = (
+    f"{UNFLATTENED_MESH}; the expert parameters (DTensors on 'ep') are also checked "
+    "against fully_shard's mesh ('fsdp'), not their ShardPlacementResult's ('efsdp')"
+)
 SHARDWISE_XFAIL = {
-    "ep2:deepseek_v3": f"{PER_PARAM_MESH}; and {UNFLATTENED_MESH}",
-    "ep2:qwen3_moe": f"{PER_PARAM_MESH}; and {UNFLATTENED_MESH}",
-    "control:ep-averaged": PER_PARAM_MESH,  # its run is ep2:deepseek_v3's
+    "ep2:deepseek_v3": EXPERTS_ON_EP,
+    "ep2:qwen3_moe": EXPERTS_ON_EP,
+    "control:ep-averaged": EXPERTS_ON_EP,  # its run is ep2:deepseek_v3's
     "pptp:1F1B": UNFLATTENED_MESH,
     "pptp:Interleaved1F1B": UNFLATTENED_MESH,
     "control:pptp-averaged": UNFLATTENED_MESH,
