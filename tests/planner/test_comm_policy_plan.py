@@ -11,7 +11,6 @@ is one line, exit 2, nothing written. Plans run in a process of their own
 
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing as mp
 import os
@@ -24,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from cli_helpers import shardwise
+from shardwise_app.cli.common import UsageError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -235,19 +235,31 @@ def on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
 
 
-def test_budget_on_the_command_line_tries_each_policy(tmp_path: Path, on_path: None) -> None:
-    out = shardwise(
-        "plan", *SMALL, "--world-size", "16", "--mp", "bf16", "--budget", "100", "--json",
-        "p.json", cwd=tmp_path, timeout=280,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    d = json.loads((tmp_path / "p.json").read_text())
-    names = {t["policy"]["comm"]["name"] for t in d["tried"]}
-    assert names == {"none", "qwz", "hpz", "qgz", "zeropp"} and len(d["tried"]) == 64
-    fastest = min(d["tried"], key=lambda t: t["step_ms"])
-    assert d["policy"] == fastest["policy"] and d["policy"]["comm"]["name"] != "none"
-    assert d["collectives"]["bytes_per_link"]["inter"] > 0
-    assert "received over inter-node links" in out.stdout
+def test_the_command_line_budget_searches_the_policies_where_the_world_spans_nodes() -> None:
+    """Which communication policies ``--budget`` tries (the search itself is
+    ``fastest_within``'s, above): each of them over a flat mesh of several nodes, with
+    hpZ left out where nothing is resharded after forward; else the one named."""
+    from shardwise_app.cli import plan as plan_cli
+    from shardwise_plan import H200, CommPolicy, Policy, candidate_policies
+
+    def comms(*argv: str) -> list[str]:
+        args = plan_cli.parser().parse_args([*argv, "--budget", "10"])
+        return [c.name() for c in plan_cli.budget_comms(args, H200)]
+
+    assert comms("--world-size", "16") == ["none", "qwz", "hpz", "qgz", "zeropp"]
+    assert comms("--world-size", "8") == []  # one node: nothing to split
+    assert comms("--world-size", "16", "--node-size", "16") == []
+    assert comms("--world-size", "16", "--hsdp", "2") == []
+    assert comms("--world-size", "16", "--comm-policy", "qgz") == []  # the base's, fixed
+    tried = candidate_policies(Policy(), [CommPolicy(), *plan_cli_comms()])
+    assert len(tried) == plan_cli.BUDGET_COMM_POLICIES == 64 and len(set(tried)) == 64
+    assert not any(p.comm.node_local_backward and p.reshard_after_forward is False for p in tried)
+
+
+def plan_cli_comms() -> list[Any]:
+    from shardwise_plan import parse_comm
+
+    return [parse_comm(n) for n in ("qwz", "hpz", "qgz", "zeropp")]
 
 
 @pytest.mark.parametrize(
@@ -274,18 +286,48 @@ def test_bad_input_is_one_line_and_exit_2(
     assert list(tmp_path.iterdir()) == []
 
 
-def _table() -> dict[str, Any]:
+def _table_row() -> dict[str, Any]:
     import comm_policy_table as t
 
-    rows = t.run({"tiny": ["--model", "tiny", "--batch-size", "1", "--seq-len", "32"]}, [16], None)
-    return {"md": t.markdown(rows), "policies": [r["policy"] for r in rows]}
+    tiny = ["--model", "tiny", "--batch-size", "1", "--seq-len", "32"]
+    return t.plan_row(t.row_argv(tiny, 16, "zeropp"))
 
 
-def test_the_table_command_plans_each_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = HERE.parent.parent / "benchmarks"
-    monkeypatch.syspath_prepend(str(bench))  # the spawned process inherits sys.path
-    out = _in_a_process(_table)
-    assert out["policies"] == ["none", "hsdp", "qwz", "hpz", "qgz", "zeropp"]
-    md = out["md"]
-    assert md.count("| tiny | 16 |") == 6 and "HSDP 2 x 8" in md
-    assert "- tiny at 16 GPUs on h200: best within HSDP's peak is" in md
+def test_the_table_command_plans_a_row_on_both_presets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(HERE.parent.parent / "benchmarks"))  # the child inherits it
+    r = _in_a_process(_table_row)
+    assert "--comm-policy zeropp" in r["argv"] and "--hardware h200" in r["argv"]
+    h100, h200 = r["time"]["h100"], r["time"]["h200"]
+    # the same simulated step on two presets' rates: H100's memory is slower
+    assert h200["quantize_ms"] > 0 and h100["quantize_ms"] > h200["quantize_ms"]
+    assert r["inter_bytes"] == r["collectives"]["bytes_per_link"]["inter"] > 0
+
+
+def test_the_tables_verdict_is_the_best_policy_within_hsdps_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(HERE.parent.parent / "benchmarks"))
+    import comm_policy_table as t
+
+    def row(policy: str, peak: int, exposed: float) -> dict[str, Any]:
+        times = {"exposed_comm_ms": exposed, "step_ms": exposed + 100}
+        return {
+            "model": "m", "world": 64, "policy": policy, "peak_bytes": peak, "inter_bytes": 0,
+            "intra_bytes": 0, "time": {"h100": times, "h200": times},
+        }  # fmt: skip
+
+    rows = [
+        row("none", 1, 900.0),
+        row("hsdp", 10, 5.0),
+        row("qwz", 2, 600.0),
+        row("zeropp", 11, 50.0),  # faster still, but over HSDP's peak
+        row("qgz", 3, 301.0),
+    ]
+    v = t.verdicts({r["policy"]: r for r in rows})["h200"]
+    assert v["best"] == "qgz" and v["share_of_full_shard"] == pytest.approx(301 / 900)
+    md = t.markdown(rows)
+    assert "best within HSDP's peak is qgz, 301 ms exposed, 0.33 of full" in md
+    assert "(target 1/3: not met)" in md  # 301 / 900 is over a third
+    assert md.count("| m | 64 |") == 5 and "HSDP 8 x 8" in md
+    with pytest.raises(UsageError, match="--worlds '12'"):
+        t.parse_worlds("12")
