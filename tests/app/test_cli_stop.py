@@ -296,3 +296,17 @@ def test_a_bad_stop_grace_is_one_line(tmp_path, capsys, monkeypatch) -> None:
         line = one_line(capsys.readouterr().err)
         assert f"--stop-grace must be a positive number of seconds, got {shown}" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_what_the_launcher_says_of_a_worker_stopped_by_hand() -> None:
+    from shardwise_app.cli.failures import EXIT_PEER_LOST, launcher_message
+    from shardwise_app.cli.signals import EXIT_STOP_OVERDUE
+
+    kept = "the last good checkpoint, checkpoints/step_000008, is kept (resume with: ...)"
+    # Two signals to rank 1: it exits 128 + SIGTERM at once; rank 0 loses it.
+    twice = launcher_message("train", {0: EXIT_PEER_LOST, 1: 128 + signal.SIGTERM}, [], kept)
+    assert twice and "worker rank 1 was killed by SIGTERM; the other workers" in twice
+    # One signal to rank 1 alone, in a step that never ends: its deadline.
+    once = launcher_message("train", {0: EXIT_PEER_LOST, 1: EXIT_STOP_OVERDUE}, [], kept)
+    assert once and "worker rank 1 was sent a stop signal (to it alone)" in once
+    assert "--stop-grace" in once and once.endswith(kept)
