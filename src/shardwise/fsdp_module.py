@@ -278,8 +278,8 @@ class FSDPModule(_TorchFSDPModule):
             if policy is None:
                 checked.append((g, None))
                 continue
-            p = comm_policy.check(policy, g.world, torch.device(g.device.type))
-            checked.append((g, p if p.enabled else None))
+            ok = comm_policy.check(policy, g.world, torch.device(g.device.type))
+            checked.append((g, ok if ok.enabled else None))
         for g, p in checked:
             node = p.node_size if p is not None else None
             if p is not None and p.quantize_reduce and node is not None and 1 < node < g.world:

@@ -1,0 +1,99 @@
+"""What quantized weight gathers (``CommPolicy(quantize_gather=...)``) cost in kernels.
+
+For one block of the 0.94B GPT (``shardwise_app.models.shapes.gpt_094b``: d 2048,
+16 blocks), at a shard group of ``--world`` ranks: the time to pack this rank's
+shard (quantize to int8 blocks with an fp32 scale each, ``quantize.pack``) and to
+unpack the gathered rows into ``param_dtype`` (``quantize.unpack``), eager and
+``torch.compile``d, beside the block's forward + backward at ``--batch`` sequences
+of 2048 tokens in bf16. A step of ``quantize_gather="forward"`` packs and unpacks
+once per block, ``"always"`` twice (backward gathers again); the ratio is that
+cost over the block's compute (16 blocks: the same ratio for the model's step,
+leaving out the embedding and head).
+
+    python benchmarks/quantize_cost.py --device cuda --world 8 --batch 4
+    python benchmarks/quantize_cost.py --device cpu --world 8 --batch 1 --repeats 3
+
+Timings are medians over ``--repeats`` after two warm-ups, synchronised on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from shardwise import quantize
+from shardwise_app.models.gpt import Block, GPTConfig
+
+
+def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, after two warm-ups."""
+    times = []
+    for i in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--world", type=int, default=8, help="ranks the block is sharded over")
+    ap.add_argument("--batch", type=int, default=4, help="sequences of 2048 tokens per rank")
+    ap.add_argument("--block-size", type=int, default=256, help="elements per scale")
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cfg = GPTConfig(seq_len=2048, n_layer=16, n_head=16, d_model=2048)
+    block = Block(cfg).to(device)
+    numel = sum(p.numel() for p in block.parameters())
+    shard = -(-numel // args.world)
+    flat = torch.randn(1, shard, device=device)  # this rank's fp32 master shard
+    rows = torch.empty(
+        args.world, quantize.row_bytes(shard, args.block_size), dtype=torch.uint8, device=device
+    )
+
+    def pack() -> None:
+        quantize.pack(flat, args.block_size, torch.int8, rows[:1])
+
+    def unpack() -> torch.Tensor:
+        return quantize.unpack(rows, shard, args.block_size, torch.int8, torch.bfloat16)
+
+    results = {}
+    for name, p, u in (
+        ("eager", pack, unpack),
+        ("compiled", torch.compile(pack), torch.compile(unpack)),
+    ):
+        results[name] = (_time(p, device, args.repeats), _time(u, device, args.repeats))
+
+    x = torch.randn(args.batch, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = block(x)
+        out.float().sum().backward()
+
+    compute = _time(step, device, args.repeats)
+    print(
+        f"device {device}  block {numel / 1e6:.1f}M params  world {args.world}  "
+        f"shard {shard / 1e6:.2f}M  batch {args.batch} x {cfg.seq_len} tokens"
+    )
+    print(f"block forward + backward: {compute * 1e3:.2f} ms")
+    print("| kernels | pack ms | unpack ms | forward-only % of compute | always % of compute |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, (tp, tu) in results.items():
+        once = (tp + tu) / compute * 100
+        print(f"| {name} | {tp * 1e3:.3f} | {tu * 1e3:.3f} | {once:.2f} | {2 * once:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
