@@ -310,3 +310,54 @@ def test_what_the_launcher_says_of_a_worker_stopped_by_hand() -> None:
     once = launcher_message("train", {0: EXIT_PEER_LOST, 1: EXIT_STOP_OVERDUE}, [], kept)
     assert once and "worker rank 1 was sent a stop signal (to it alone)" in once
     assert "--stop-grace" in once and once.endswith(kept)
+
+
+# ---- the signal thread alone, in a process without torch (cli/signals.py) --------------------
+
+_STOPPABLE = """
+import signal, sys, time
+from shardwise_app.cli.signals import StopRequest
+stop = StopRequest(float(sys.argv[1]), say=lambda signum, orphaned: f"said {signum} {orphaned}")
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # a main thread deep in C++
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _stoppable(grace: float) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [sys.executable, "-c", _STOPPABLE, str(grace)],
+        env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    return p
+
+
+@pytest.mark.timeout(60)
+def test_the_deadline_ends_a_process_whose_main_thread_never_returns() -> None:
+    p = _stoppable(1.0)
+    try:
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=10)
+        assert p.returncode == 7 and err == f"said {signal.SIGTERM.value} False\n", err
+        assert 0.9 < time.monotonic() - t0 < 5
+    finally:
+        p.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_repeated_at_once_by_another_launcher_is_the_same_stop() -> None:
+    """torchrun passes SIGTERM on as a signal, and SLURM sent the worker its own."""
+    p = _stoppable(600)
+    try:
+        p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert p.poll() is None  # one stop, waiting for its step boundary
+        time.sleep(2.0)
+        p.send_signal(signal.SIGTERM)  # a second, later: at once
+        p.wait(timeout=5)
+        assert p.returncode == 128 + signal.SIGTERM
+    finally:
+        p.kill()

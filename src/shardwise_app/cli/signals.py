@@ -52,6 +52,10 @@ EXIT_STOP_OVERDUE = 7  # a worker asked to stop found no step boundary within --
 # The read end of a pipe from our launcher: each byte a stop signal passed on;
 # its end, the launcher's (launcher.py says why not a signal).
 STOP_FD_ENV = "SHARDWISE_STOP_FD"
+# Without our launcher's pipe, the same signal again this soon is the same
+# stop: torchrun passes its SIGTERM on as a signal, and a scheduler that
+# signals every process of a job (SLURM) has already sent the worker its own.
+_SAME_STOP_S = 2.0
 # Past the grace deadline, if even the deadline's thread cannot run (a C
 # extension holding the GIL): faulthandler's own C thread ends the process.
 _LAST_RESORT_S = 5.0
@@ -131,6 +135,8 @@ class _Guard:
         self._grace_s = DEFAULT_STOP_GRACE_S
         self._say: Say | None = None
         self._first: int | None = None
+        self._first_at = 0.0
+        self._piped = False  # our launcher passes its signals on through a pipe
         self._orphaned = False
         self._devnull: IO[str] | None = None
 
@@ -153,6 +159,7 @@ class _Guard:
         threading.Thread(target=read, name="shardwise-signals", daemon=True).start()
         fd = os.environ.pop(STOP_FD_ENV, None)
         if fd is not None:
+            self._piped = True
             self._listen_to_launcher(int(fd))
 
     def _listen_to_launcher(self, fd: int) -> None:
@@ -194,8 +201,11 @@ class _Guard:
                 if orphaned or passed_on:  # the same stop again: the deadline already runs
                     self._orphaned = self._orphaned or orphaned
                     return
+                again = time.monotonic() - self._first_at < _SAME_STOP_S
+                if signum == self._first and again and not self._piped:
+                    return  # another launcher's copy of the first
                 os._exit(128 + signum)  # a second signal: no more waiting
-            self._first, self._orphaned = signum, orphaned
+            self._first, self._first_at, self._orphaned = signum, time.monotonic(), orphaned
             assert self._stop is not None
             self._stop.signum = signum
             timer = threading.Timer(self._grace_s, self.overdue)
