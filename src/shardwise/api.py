@@ -161,8 +161,11 @@ def fully_shard(
     label = type(modules[0]).__name__
     meshes: list[DeviceMesh] | None = None
     if spmd is None:
-        tp = _tp_layouts(named, mesh)
-        dims, meshes = placement.resolve(named, mesh, shard_placement_fn, label, tp)
+        # A DTensor parameter (tensor parallel; expert parallel's experts) composes
+        # with the mesh it is sharded over: its own, if the placement function names one.
+        is_dt = [isinstance(p, DTensor) for _, p, _ in named]
+        dims, meshes = placement.resolve(named, mesh, shard_placement_fn, label, is_dt)
+        tp = _tp_layouts(named, meshes or [mesh] * len(named))
     else:
         dims, meshes = placement.resolve(named, mesh, shard_placement_fn, label)
         tp = [
@@ -448,11 +451,15 @@ def _owned_params(
     return list(found.values())
 
 
-def _tp_layouts(named: list[Any], mesh: DeviceMesh) -> list[TPLayout | None] | None:
-    """Tensor parallel (DTensor) parameters: how each composes with ``mesh`` (validated)."""
+def _tp_layouts(named: list[Any], meshes: list[DeviceMesh]) -> list[TPLayout | None] | None:
+    """Tensor parallel (DTensor) parameters: how each composes with the mesh it is
+    sharded over, ``meshes[i]`` (validated)."""
     if not any(isinstance(p, DTensor) for _, p, _ in named):
         return None
-    return [compose_tp(fqn, p, mesh) if isinstance(p, DTensor) else None for fqn, p, _ in named]
+    return [
+        compose_tp(fqn, p, m) if isinstance(p, DTensor) else None
+        for (fqn, p, _), m in zip(named, meshes)
+    ]
 
 
 def _check_params(module: nn.Module, named: list[Any], mesh_device: str) -> None:

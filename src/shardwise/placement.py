@@ -77,8 +77,8 @@ def resolve(
 ) -> tuple[list[int] | None, list[DeviceMesh] | None]:
     """Each parameter's split dim and mesh from ``fn``: ``(dims, meshes)``, None for
     either when every parameter has the default (dim 0; the call's ``mesh``).
-    ``tp[i]``: whether tensor parallelism split ``named[i]`` (then dim 0, the call's
-    mesh only). ValueError naming ``module`` and the parameter otherwise."""
+    ``tp[i]``: whether tensor (or expert) parallelism made ``named[i]`` a DTensor
+    (then dim 0 only). ValueError naming ``module`` and the parameter otherwise."""
     if fn is None:
         return None, None
     dims: list[int] = []
@@ -92,16 +92,10 @@ def resolve(
             own = _mesh_of(result)
             where = own if own is not None else mesh
             _check_mesh(where, mesh, fqn, module)
-            if where is not mesh and tp is not None and tp[i] is not None:
-                raise ValueError(
-                    f"shard_placement_fn put the tensor parallel parameter {fqn!r} of {module} "
-                    "on a mesh of its own; shardwise shards TP parameters over the fully_shard "
-                    "call's mesh only"
-                )
         if placement is None:
             dim = 0
         elif isinstance(placement, Shard):
-            dim = _check_dim(placement, p, fqn, module, where, tp is not None and tp[i] is not None)
+            dim = _check_dim(placement, p, fqn, module, where, tp is not None and bool(tp[i]))
         else:
             raise ValueError(
                 f"shard_placement_fn returned {result!r} for {fqn!r} of {module}; return "

@@ -156,16 +156,24 @@ def compose_tp(fqn: str, p: DTensor, mesh: DeviceMesh) -> TPLayout:
             f"another mesh?); {how}"
         )
     order = list(root.mesh_dim_names or ())
-    if not set(dp_names) <= set(order):
-        raise ValueError(
-            f"parameter {fqn!r}: the FSDP mesh's dimensions {dp_names} are not dimensions of "
-            f"the root mesh {tuple(order)} (a flattened mesh?); pass a sub-mesh sliced by name"
-        )
-    if max(order.index(n) for n in dp_names) > order.index(tp_name):
-        raise ValueError(
-            f"parameter {fqn!r}: the tp dimension {tp_name!r} comes before the data-parallel "
-            f"dimensions {dp_names} in the mesh {tuple(order)}; put tp last (innermost)"
-        )
+    if set(dp_names) <= set(order) and tp_name in order:
+        if max(order.index(n) for n in dp_names) > order.index(tp_name):
+            raise ValueError(
+                f"parameter {fqn!r}: the tp dimension {tp_name!r} comes before the data-parallel "
+                f"dimensions {dp_names} in the mesh {tuple(order)}; put tp last (innermost)"
+            )
+        sharded_mesh = root[(*dp_names, tp_name)]
+    else:
+        # Meshes that are not named dims of their root (torchtitan unflattens one
+        # world mesh into its axes): the two joined as FSDP2 joins them.
+        joined = _joined(mesh, tp_mesh)
+        if joined is None:
+            raise ValueError(
+                f"parameter {fqn!r}: the FSDP mesh's dimensions {dp_names} are not dimensions "
+                f"of the root mesh {tuple(order)} (a flattened mesh?); pass a sub-mesh sliced "
+                "by name"
+            )
+        sharded_mesh = joined
     pl = placements[0]
     if isinstance(pl, Shard) and pl.dim < 0:
         pl = Shard(pl.dim + p.ndim)
@@ -188,9 +196,22 @@ def compose_tp(fqn: str, p: DTensor, mesh: DeviceMesh) -> TPLayout:
         (pl,),
         p.shape,
         contiguous_stride(p.shape),
-        root[(*dp_names, tp_name)],
+        sharded_mesh,
         (*replicate, dp_placement, pl),
     )
+
+
+def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh | None:
+    """One mesh of ``dp_mesh``'s dims then ``tp_mesh``'s (DeviceMesh's own join, torch
+    >= 2.10), or None where this torch has none or the two do not join (overlapping,
+    or from different roots)."""
+    join = getattr(DeviceMesh, "_concatenate", None)
+    if join is None:
+        return None
+    try:
+        return join([dp_mesh, tp_mesh])
+    except RuntimeError:
+        return None
 
 
 @dataclass(frozen=True)
