@@ -13,7 +13,8 @@ leaving out the embedding and head).
     python benchmarks/quantize_cost.py --device cuda --world 8 --batch 4
     python benchmarks/quantize_cost.py --device cpu --world 8 --batch 1 --repeats 3
 
-Timings are medians over ``--repeats`` after two warm-ups, synchronised on CUDA.
+On CUDA each time is ``--repeats`` calls queued back to back between two events,
+after two warm-ups; on the CPU the median of ``--repeats`` calls.
 """
 
 from __future__ import annotations
@@ -30,7 +31,20 @@ from shardwise_app.models.gpt import Block, GPTConfig
 
 
 def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, after two warm-ups."""
+    """Seconds per call of ``fn``: on CUDA, ``repeats`` calls queued back to back between
+    two events (the device's time, as the stream sees it when the host runs ahead);
+    on the CPU the median of ``repeats`` calls. Two warm-up calls first."""
+    if device.type == "cuda":
+        for _ in range(2):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3 / repeats
     times = []
     for i in range(repeats + 2):
         if device.type == "cuda":
