@@ -177,10 +177,11 @@ def build_model(cfg: RunConfig, device: Any, world: int) -> tuple[Any, Any, Any,
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardwise import MixedPrecisionPolicy
+    from shardwise import CommPolicy, MixedPrecisionPolicy
 
     from ..models.gpt import build_sharded
     from ..models.hf import logits
+    from .run_config import COMM_POLICIES
 
     if cfg.hsdp > 1:
         mesh = init_device_mesh(
@@ -204,6 +205,11 @@ def build_model(cfg: RunConfig, device: Any, world: int) -> tuple[Any, Any, Any,
         mp_policy=mp,
         activation_checkpointing=cfg.activation_checkpointing,
         compile=cfg.compile,
+        comm_policy=(
+            None
+            if cfg.comm_policy == "none"
+            else CommPolicy(node_size=cfg.node_size, **COMM_POLICIES[cfg.comm_policy])
+        ),
     )
     return model, model, None, None
 

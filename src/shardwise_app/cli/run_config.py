@@ -20,6 +20,17 @@ from typing import Any
 # How our launcher hands the resolved config to its workers (train.py's main).
 CONFIG_ENV = "SHARDWISE_RUN_CONFIG"
 
+# --comm-policy NAME: the shardwise.CommPolicy keywords it stands for (ZeRO++'s qwZ, hpZ,
+# qgZ; zeropp: all three), the names of ``shardwise plan --comm-policy`` where they meet.
+COMM_POLICIES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "qwz": {"quantize_gather": "forward"},
+    "qwz-always": {"quantize_gather": "always"},
+    "hpz": {"node_local_backward": True},
+    "qgz": {"quantize_reduce": True},
+    "zeropp": {"quantize_gather": "forward", "node_local_backward": True, "quantize_reduce": True},
+}
+
 
 @dataclass(kw_only=True)
 class TrainingFlags:
@@ -54,6 +65,10 @@ class TrainingFlags:
     lora_alpha: float | None = None  # 2 x the rank
     lora_targets: str | None = None  # "all-linear": every linear layer but the output head
     adapter_only: bool | None = None  # a bool in an --hf run
+    # How the collectives treat the node boundary (COMM_POLICIES; docs/communication.md).
+    # Written to config.json only when set, so that older runs' files read as they were.
+    comm_policy: str = "none"
+    node_size: int | None = None  # processes per node: this launch's --nproc
 
     @classmethod
     def names(cls) -> list[str]:
@@ -91,6 +106,8 @@ class RunConfig(TrainingFlags):
         d = asdict(self)
         if d["hf_weights"] is None:
             del d["hf_weights"]
+        if d["comm_policy"] == "none" and d["node_size"] is None:
+            del d["comm_policy"], d["node_size"]
         return d
 
     @classmethod

@@ -93,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="replicate degree R: shard within groups of "
         "world/R processes, replicate across R groups (default: 1, plain FSDP)",
     )
+    t.add_argument(
+        "--comm-policy",
+        metavar="NAME",
+        help="collectives across nodes: none, qwz (int8 weight gathers in forward), "
+        "qwz-always (and in backward), hpz (backward gathers inside the node), qgz "
+        "(gradients reduced inside the node, then int8 across), zeropp (qwz + hpz + qgz) "
+        "(default: none; docs/communication.md)",
+    )
+    t.add_argument(
+        "--node-size",
+        type=int,
+        metavar="N",
+        help="processes per node for --comm-policy (default: --nproc, the processes here)",
+    )
     t.add_argument("--seed", type=int, help="seed of the initial weights and the data order")
     t.add_argument(
         "--compile",
@@ -170,6 +184,7 @@ def resolve(args: argparse.Namespace, world: int, local: int | None = None) -> R
     if c.warmup is None:
         c.warmup = min(100, c.steps // 10)
     _check_numbers(c, world)
+    _check_comm_policy(c, world, world if local is None else local)
     if ckpt_step >= c.steps:
         raise UsageError(_nothing_left(args.resume, ckpt_step, c.steps, "steps" in given))
     try:  # (tokenized under the run's lock: cli/corpus.py)
@@ -243,6 +258,30 @@ def _check_numbers(c: TrainingFlags, world: int) -> None:
             f"--batch-size {c.batch_size} is not divisible by {world} processes "
             f"x --grad-accum {c.grad_accum}"
         )
+
+
+def _check_comm_policy(c: TrainingFlags, world: int, local: int) -> None:
+    """--comm-policy and --node-size, the node size filled in (this launch's processes)
+    where a policy is set and none is given."""
+    from .run_config import COMM_POLICIES
+
+    if c.comm_policy not in COMM_POLICIES:
+        raise UsageError(f"--comm-policy {c.comm_policy!r}: use one of {', '.join(COMM_POLICIES)}")
+    if c.node_size is not None and c.node_size < 1:
+        raise UsageError(f"--node-size must be at least 1, got {c.node_size}")
+    if c.comm_policy == "none":
+        return
+    if c.hf:
+        raise UsageError("--comm-policy is for the built-in GPT; --hf runs do not take it yet")
+    shard = world // c.hsdp  # the processes each parameter is split over
+    node = local if c.node_size is None else c.node_size
+    if shard % node:
+        flag = f"--node-size {node}" if c.node_size is not None else f"the {node} processes here"
+        raise UsageError(
+            f"--comm-policy {c.comm_policy}: {flag} does not divide the {shard} processes "
+            "each parameter is sharded over; give --node-size"
+        )
+    c.node_size = node
 
 
 def _nothing_left(resume_arg: str, at: int, steps: int, given: bool) -> str:

@@ -151,15 +151,22 @@ def shard_model(
     mp_policy: Any = None,
     reshard_after_forward: bool = True,
     activation_checkpointing: str = "none",
+    comm_policy: Any = None,
 ) -> GPT:
     """Checkpoint activations per block, then ``fully_shard`` each block and the root.
 
     The root owns what no block does: the embeddings (the output head shares
     the token embedding's weight, so it belongs with them) and the final norm.
-    ``mesh`` may be 1-D (FSDP) or a 2-D ``("replicate", "shard")`` mesh (HSDP).
+    ``mesh`` may be 1-D (FSDP) or a 2-D ``("replicate", "shard")`` mesh (HSDP);
+    ``comm_policy`` a ``shardwise.CommPolicy`` (or None).
     """
     set_activation_checkpointing(model, activation_checkpointing)
-    kwargs = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        comm_policy=comm_policy,
+    )
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -174,13 +181,18 @@ def build_sharded(
     mp_policy: Any = None,
     activation_checkpointing: str = "none",
     compile: bool = False,
+    comm_policy: Any = None,
 ) -> GPT:
     """A run's GPT from its ``model_config`` (config.json): built on ``device``,
     sharded by ``shard_model``, its blocks compiled if ``compile``. Call on every rank."""
     with torch.device(device):
         model = GPT(GPTConfig(**config))
     shard_model(
-        model, mesh=mesh, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing
+        model,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        activation_checkpointing=activation_checkpointing,
+        comm_policy=comm_policy,
     )
     if compile:
         compile_blocks(list(model.blocks), device.type)
