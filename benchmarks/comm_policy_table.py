@@ -1,10 +1,11 @@
 """docs/scaling.md's communication-policy table: each policy predicted at 64 and 512 GPUs.
 
-    python benchmarks/comm_policy_table.py [--json FILE] [--worlds 64,512]
+    python benchmarks/comm_policy_table.py [--json FILE] [--worlds 8,64,512]
 
 For the 6.45B GPT (batch 2 x 2048) and the Llama-2-70B shape (batch 1 x 4096),
 bf16 parameters with fp32 reduction and every block checkpointed, 8 GPUs a
-node: plain full sharding, HSDP over nodes (R = nodes), and full sharding with
+node: plain full sharding, HSDP over nodes (R = nodes; 2 x 4 within one node, as
+the scaling suite's), and full sharding with
 each communication policy (``shardwise plan --comm-policy``: qwz, hpz, qgz,
 zeropp). Each row is a ``shardwise plan`` invocation read by the command's own
 parser and checks; it is simulated once and replayed on the ``h200`` and
@@ -44,8 +45,13 @@ GIB = 1 << 30
 
 def row_argv(model_flags: list[str], world: int, policy: str) -> list[str]:
     """The ``shardwise plan`` flags of one row."""
-    mesh = ["--hsdp", str(world // NODE)] if policy == "hsdp" else ["--comm-policy", policy]
+    mesh = ["--hsdp", str(replicas(world))] if policy == "hsdp" else ["--comm-policy", policy]
     return [*model_flags, "--world-size", str(world), *COMMON, *mesh, "--hardware", HARDWARE[0]]
+
+
+def replicas(world: int) -> int:
+    """HSDP's replicate degree: one a node, two within one node."""
+    return max(2, world // NODE)
 
 
 def plan_row(argv: list[str]) -> dict[str, Any]:
@@ -127,7 +133,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [head, "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         t = r["time"]
-        name = f"HSDP {int(r['world']) // NODE} x {NODE}" if r["policy"] == "hsdp" else r["policy"]
+        w, rep = int(r["world"]), replicas(int(r["world"]))
+        name = f"HSDP {rep} x {w // rep}" if r["policy"] == "hsdp" else r["policy"]
         name = "full shard" if name == "none" else name
         lines.append(
             f"| {r['model']} | {r['world']} | {name} | {r['inter_bytes'] / GIB:.2f} | "
@@ -153,6 +160,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def _groups_verdicts(rows: list[dict[str, Any]]) -> dict[tuple[str, int], Any]:
     groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
+        if r["world"] <= NODE:  # one node: nothing crosses nodes, no target to judge
+            continue
         groups.setdefault((r["model"], r["world"]), {})[r["policy"]] = r
     return {k: verdicts(g) for k, g in groups.items()}
 
@@ -192,10 +201,10 @@ def parse_worlds(text: str) -> list[int]:
         worlds = [int(x) for x in text.split(",")]
     except ValueError:
         worlds = []
-    if not worlds or any(w <= NODE or w % NODE for w in worlds):
+    if not worlds or any(w < NODE or w % NODE for w in worlds):
         raise UsageError(
-            f"--worlds {text!r}: give world sizes of more than one {NODE}-GPU node, whole "
-            "nodes, separated by commas (e.g. 64,512)"
+            f"--worlds {text!r}: give world sizes of whole {NODE}-GPU nodes, separated by "
+            "commas (e.g. 8,64,512)"
         )
     return worlds
 
@@ -203,7 +212,7 @@ def parse_worlds(text: str) -> list[int]:
 def main(argv: list[str]) -> int:
     p = OneLineParser(prog="comm_policy_table.py", description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, metavar="FILE", help="the rows (and FILE.md)")
-    p.add_argument("--worlds", default="64,512", help="GPUs, comma-separated")
+    p.add_argument("--worlds", default="8,64,512", help="GPUs, comma-separated")
     args = p.parse_args(argv)
     worlds = parse_worlds(args.worlds)
     if args.json:
