@@ -40,29 +40,8 @@ PPTP_CASES = ["pptp:1F1B", "pptp:Interleaved1F1B", "control:pptp-averaged"]
 WORLD4 = PP_CASES + EP_CASES + CP_CASES
 
 # Cases that need what the library does not do yet, under shardwise only: a strict
-# xfail each, so the suite says when they start to pass.
-UNFLATTENED_MESH = (
-    "shardwise refuses FSDP over a mesh unflattened from a 1-D world mesh (torchtitan's "
-    "ParallelDims: world._unflatten(0, ..., ('pp', 'dp_replicate', 'fsdp', 'tp'))) for "
-    "a parameter that is already a DTensor on a sibling dimension (TP, EP): 'the FSDP "
-    "mesh's dimensions ('fsdp',) are not dimensions of the root mesh ('world',) (a "
-    "flattened mesh?)'; torch's FSDP2 takes it"
-)
-# The experts are DTensors on torchtitan's ep dimension, so fully_shard composes them
-# as tensor parallel: refused as above, and checked against the module's fsdp mesh,
-# not the efsdp mesh their ShardPlacementResult names.
-EXPERTS_ON_EP = (
-    f"{UNFLATTENED_MESH}; the expert parameters (DTensors on 'ep') are also checked "
-    "against fully_shard's mesh ('fsdp'), not their ShardPlacementResult's ('efsdp')"
-)
-SHARDWISE_XFAIL = {
-    "ep2:deepseek_v3": EXPERTS_ON_EP,
-    "ep2:qwen3_moe": EXPERTS_ON_EP,
-    "control:ep-averaged": EXPERTS_ON_EP,  # its run is ep2:deepseek_v3's
-    "pptp:1F1B": UNFLATTENED_MESH,
-    "pptp:Interleaved1F1B": UNFLATTENED_MESH,
-    "control:pptp-averaged": UNFLATTENED_MESH,
-}
+# xfail each, so the suite says when they start to pass (none today).
+SHARDWISE_XFAIL: dict[str, str] = {}
 
 
 def xfail_mark(case: str, impl: str) -> Any:
