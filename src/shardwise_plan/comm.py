@@ -164,7 +164,8 @@ class CommModel:
             return False
         # A recomputed forward gathers what the forward gathered; under hpZ it gathers
         # the kept node copy, which holds the forward's dequantized weights already.
-        return e.phase == "forward" or (self.recompute and not self.policy.node_local_backward)
+        served = self.policy.node_local_backward and self.world > self.node  # hpZ's copy
+        return e.phase == "forward" or (self.recompute and not served)
 
     def quantizes_reduce(self, e: Event) -> bool:
         return self.policy.quantize_reduce and e.group > self.node

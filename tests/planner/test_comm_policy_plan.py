@@ -195,6 +195,19 @@ def test_policy_names() -> None:
         CommPolicy(block_size=0).check()
 
 
+def test_a_recomputation_gathers_quantized_unless_hpzs_node_copy_serves_it() -> None:
+    from shardwise_plan.comm import CommModel, CommPolicy
+    from shardwise_plan.tracker import Event
+
+    recompute = Event(kind="issue", live=0, phase="backward", module="b", coll="all_gather")
+    zeropp = CommPolicy("forward", True, True)
+    assert not CommModel(zeropp, NODE, WORLD, recompute=True).quantizes_gather(recompute)
+    # one node: hpZ keeps no copy, the recomputation gathers what the forward gathered
+    assert CommModel(zeropp, NODE, NODE, recompute=True).quantizes_gather(recompute)
+    assert CommModel(CommPolicy("forward"), NODE, WORLD, recompute=True).quantizes_gather(recompute)
+    assert not CommModel(CommPolicy("forward"), NODE, WORLD).quantizes_gather(recompute)
+
+
 def _budget() -> dict[str, Any]:
     from plan_models import comm_bound
     from shardwise_plan import GIB, H200, NothingFits, Policy, fastest_within, parse_comm
