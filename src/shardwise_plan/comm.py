@@ -8,10 +8,11 @@ recorded as the policy would run it:
 
 - **qwZ** (``quantize_gather``): a gather sends each rank's shard as int8
   blocks of ``block_size`` elements and one fp32 scale a block, then
-  dequantizes into the parameters' dtype. "forward": the forward's gathers,
+  dequantizes into the parameters' dtype. "forward" (``qwz``, as ``shardwise
+  train --comm-policy`` names it): the forward's gathers,
   and, when every block is checkpointed, the recomputation's in backward (it
   must see the weights the forward saw) unless hpZ serves it; "always": every
-  gather.
+  gather (``qwz-always``).
 - **hpZ** (``node_local_backward``): after forward the weights stay sharded
   over the node's ranks, so backward's gathers never leave it. This one the
   simulation runs for real: it is the runtime's ``reshard_after_forward=node
@@ -47,9 +48,12 @@ from .tracker import Event
 QUANTIZE_GATHER = ("none", "forward", "always")
 QUANT_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")  # one byte an element each
 SCALE_BYTES = 4  # one fp32 scale a block
-# The names --comm-policy takes, each a technique; joined by "+" they combine.
+# The names --comm-policy takes (shardwise train's), each a technique; joined by "+"
+# they combine. qwz quantizes the forward's gathers, qwz-always backward's too.
 TECHNIQUES = ("qwz", "hpz", "qgz")
-COMM_NAMES = ("none", *TECHNIQUES, "zeropp")
+COMM_NAMES = ("none", "qwz", "qwz-always", "hpz", "qgz", "zeropp")
+# What a budget search tries: each technique, and all three.
+SEARCHED = ("none", *TECHNIQUES, "zeropp")
 
 
 @dataclass(frozen=True)
@@ -83,12 +87,7 @@ class CommPolicy:
 
     def name(self) -> str:
         """The ``--comm-policy`` name that gives this policy (``describe`` its fields)."""
-        parts = []
-        if self.quantize_gather != "none":
-            # qwz alone quantizes every gather; beside hpZ, whose backward gathers stay
-            # in the node, the forward's (ZeRO++'s choice).
-            usual = "forward" if self.node_local_backward else "always"
-            parts.append("qwz" if self.quantize_gather == usual else f"qwz:{self.quantize_gather}")
+        parts = {"none": [], "forward": ["qwz"], "always": ["qwz-always"]}[self.quantize_gather]
         parts += ["hpz"] * self.node_local_backward + ["qgz"] * self.quantize_reduce
         if parts == list(TECHNIQUES):
             return "zeropp"
@@ -99,8 +98,8 @@ class CommPolicy:
 
 
 def parse_comm(text: str, node_size: int | None = None, block_size: int = 256) -> CommPolicy:
-    """``--comm-policy``: none, qwz, hpz, qgz, zeropp (all three), or techniques joined
-    by "+" (qwz+qgz). ValueError, one line, for anything else."""
+    """``--comm-policy``: none, qwz, qwz-always, hpz, qgz, zeropp (all three), or
+    techniques joined by "+" (qwz+qgz). ValueError, one line, for anything else."""
     names = [t.strip().lower() for t in text.split("+")]
     known = set(COMM_NAMES)
     bad = [n for n in names if n not in known]
@@ -110,9 +109,10 @@ def parse_comm(text: str, node_size: int | None = None, block_size: int = 256) -
             "or techniques joined by + (e.g. qwz+qgz)"
         )
     chosen = set(TECHNIQUES) if "zeropp" in names else set(names) - {"none"}
-    hpz = "hpz" in chosen
-    gather = ("forward" if hpz else "always") if "qwz" in chosen else "none"
-    return CommPolicy(gather, hpz, "qgz" in chosen, node_size, block_size)
+    if {"qwz", "qwz-always"} <= chosen:
+        raise ValueError(f"communication policy {text!r}: give qwz or qwz-always, not both")
+    gather = "always" if "qwz-always" in chosen else "forward" if "qwz" in chosen else "none"
+    return CommPolicy(gather, "hpz" in chosen, "qgz" in chosen, node_size, block_size)
 
 
 def quantized_bytes(n: int, block: int) -> int:

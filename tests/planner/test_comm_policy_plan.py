@@ -62,7 +62,7 @@ def _chain_plans() -> dict[str, Any]:
     from shardwise_plan.timeline import replay
 
     out: dict[str, Any] = {}
-    for name in ("none", "qwz", "hpz", "qgz", "zeropp"):
+    for name in ("none", "qwz", "qwz-always", "hpz", "qgz", "zeropp"):
         policy = Policy(mp="bf16", comm=parse_comm(name, block_size=BLOCK))
         p = plan(
             Chain, WORLD, batch_size=2, seq_len=1, policy=policy, hardware=H200,
@@ -120,7 +120,7 @@ def test_plain_bytes_are_the_rings_split_by_node(chain: dict[str, Any]) -> None:
 
 
 def test_qwz_gathers_int8_blocks_and_a_scale_each(chain: dict[str, Any]) -> None:
-    plain, qwz = chain["none"], chain["qwz"]
+    plain, qwz = chain["none"], chain["qwz-always"]
     ag = sum(i[0] == "all_gather" for i in plain["issues"])
     rs = sum(i[0] == "reduce_scatter" for i in plain["issues"])
     s = N // WORLD  # 4096 elements a shard: 41 blocks of 100, the last one short
@@ -138,6 +138,13 @@ def test_qwz_gathers_int8_blocks_and_a_scale_each(chain: dict[str, Any]) -> None
     assert qwz["quantize_s"] == pytest.approx(ag * per_gather, rel=1e-9)
     # the int8 buffers, sent and received, are live at the peak's gathers
     assert qwz["peak"] > plain["peak"]
+    # qwz quantizes the forward's gathers only (nothing is recomputed here)
+    fwd = sum(i[0] == "all_gather" and i[1] == "forward" for i in plain["issues"])
+    bwd = ag - fwd
+    assert fwd and bwd
+    assert chain["qwz"]["collectives"]["bytes_per_rank"]["all_gather"] == (
+        fwd * 15 * _q(s) + bwd * N * 2 * 15 // 16
+    )
 
 
 def test_hpz_keeps_backwards_gathers_inside_the_node(chain: dict[str, Any]) -> None:
@@ -174,7 +181,7 @@ def test_qgz_reduces_in_the_node_then_int8_across(chain: dict[str, Any]) -> None
 
 def test_zeropp_cuts_inter_node_bytes_most(chain: dict[str, Any]) -> None:
     inter = {k: v["collectives"]["bytes_per_link"]["inter"] for k, v in chain.items()}
-    assert inter["zeropp"] < min(inter["qwz"], inter["hpz"], inter["qgz"]) < inter["none"]
+    assert inter["zeropp"] < min(inter["qwz-always"], inter["hpz"], inter["qgz"]) < inter["none"]
     assert chain["zeropp"]["json"]["policy"]["comm"] == {
         "name": "zeropp", "quantize_gather": "forward", "node_local_backward": True,
         "quantize_reduce": True, "node_size": None, "block_size": BLOCK, "quant_dtype": "int8",
@@ -185,9 +192,13 @@ def test_policy_names() -> None:
     from shardwise_plan import CommPolicy, parse_comm
 
     assert parse_comm("zeropp") == parse_comm("qgz+hpz+qwz") == CommPolicy("forward", True, True)
-    assert parse_comm("qwz") == CommPolicy("always")  # alone: backward gathers cross nodes too
+    # shardwise train's names: qwz quantizes forward's gathers, qwz-always backward's too
+    assert parse_comm("qwz") == CommPolicy("forward")
+    assert parse_comm("qwz-always").name() == "qwz-always"
     assert parse_comm("none").active is False and parse_comm("qwz+qgz").name() == "qwz+qgz"
-    assert CommPolicy("forward").name() == "qwz:forward"
+    assert parse_comm("qwz-always+hpz+qgz").name() == "qwz-always+hpz+qgz"
+    with pytest.raises(ValueError, match="not both"):
+        parse_comm("qwz+qwz-always")
     for bad in ("bogus", "qwz+", ""):
         with pytest.raises(ValueError, match="unknown communication policy"):
             parse_comm(bad)

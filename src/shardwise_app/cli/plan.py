@@ -27,7 +27,7 @@ OPTIMIZER_NAMES = ("adamw", "adamw-foreach", "adamw-fused", "sgd")  # shardwise_
 BUDGET_POLICIES = 16  # shardwise_plan.candidate_policies: 2 x 2 x 2 x 2
 # With the communication policies: x 5, less hpZ with nothing resharded (2 x 8).
 BUDGET_COMM_POLICIES = 64
-COMM_POLICY_NAMES = ("none", "qwz", "hpz", "qgz", "zeropp")  # shardwise_plan.COMM_NAMES
+COMM_POLICY_NAMES = ("none", "qwz", "qwz-always", "hpz", "qgz", "zeropp")  # comm.COMM_NAMES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
     how.add_argument(
         "--comm-policy", default=None, metavar="NAME",
         help=f"communication across nodes: {', '.join(COMM_POLICY_NAMES)} (qwz: int8 weight "
-        "gathers; hpz: backward gathers inside the node; qgz: gradients reduced in the node, "
+        "gathers in forward, qwz-always in backward too; hpz: backward gathers inside the node; qgz: gradients reduced in the node, "
         "then int8 across; zeropp: all three), or techniques joined by + (default none; "
         "with --budget, every one is tried where the world spans nodes)",
     )  # fmt: skip
@@ -432,13 +432,14 @@ def policy_of(args: Any) -> Any:
 def budget_comms(args: Any, hw: Any) -> list[Any]:
     """The communication policies a budget search tries: each, where the world spans
     nodes of a flat mesh and --comm-policy names none; else the one it names."""
-    from shardwise_plan import COMM_NAMES, parse_comm
+    from shardwise_plan import parse_comm
+    from shardwise_plan.comm import SEARCHED
 
     node = args.node_size or hw.ranks_per_node
     spans = args.world_size > node and args.world_size % node == 0
     if args.comm_policy is not None or args.hsdp > 1 or not spans:
         return []
-    return [parse_comm(n, args.node_size) for n in COMM_NAMES]
+    return [parse_comm(n, args.node_size) for n in SEARCHED]
 
 
 def check_policy(args: Any, policy: Any, hw: Any) -> None:
