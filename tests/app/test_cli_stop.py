@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import alive, children, env, handles_sighup, one_line, rank_of, rows, wait_for
+from shardwise_app.cli.signals import STOP_FD_ENV
 
 GRACE = 3.0
 TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "4", "--nproc", "2"]
@@ -360,4 +361,32 @@ def test_a_signal_repeated_at_once_by_another_launcher_is_the_same_stop() -> Non
         p.wait(timeout=5)
         assert p.returncode == 128 + signal.SIGTERM
     finally:
+        p.kill()
+
+
+@pytest.mark.timeout(60)
+def test_the_direct_copy_of_a_stop_the_launcher_passed_on_is_the_same_stop() -> None:
+    """Our launcher passes its first signal on through a pipe; a terminal's Ctrl-C or a
+    scheduler's SIGTERM reaches the worker directly too, after the pipe's copy as often
+    as before it: that copy is the same stop (not a second one, which ends at once
+    without saving); a signal after it is a second."""
+    read, write = os.pipe()
+    p = subprocess.Popen(
+        [sys.executable, "-c", _STOPPABLE, "600"],
+        env={**env(), STOP_FD_ENV: str(read)}, pass_fds=(read,),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    os.close(read)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        os.write(write, bytes([signal.SIGTERM]))  # the launcher's copy first
+        time.sleep(0.3)
+        p.send_signal(signal.SIGTERM)  # then the direct one
+        time.sleep(0.5)
+        assert p.poll() is None, p.communicate()  # one stop, waiting for its boundary
+        p.send_signal(signal.SIGTERM)  # a second: at once
+        p.wait(timeout=5)
+        assert p.returncode == 128 + signal.SIGTERM
+    finally:
+        os.close(write)
         p.kill()

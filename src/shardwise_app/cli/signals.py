@@ -137,6 +137,11 @@ class _Guard:
         self._first: int | None = None
         self._first_at = 0.0
         self._piped = False  # our launcher passes its signals on through a pipe
+        # The first stop came through that pipe, and whether the same signal has since
+        # come directly too (a terminal's Ctrl-C, a scheduler's SIGTERM reach every
+        # process): that one direct copy is the same stop, whichever arrived first.
+        self._first_passed_on = False
+        self._echo_seen = False
         self._orphaned = False
         self._devnull: IO[str] | None = None
 
@@ -204,8 +209,13 @@ class _Guard:
                 again = time.monotonic() - self._first_at < _SAME_STOP_S
                 if signum == self._first and again and not self._piped:
                     return  # another launcher's copy of the first
+                if signum == self._first and again and self._first_passed_on:
+                    if not self._echo_seen:
+                        self._echo_seen = True
+                        return  # the direct copy of the stop our launcher passed on
                 os._exit(128 + signum)  # a second signal: no more waiting
             self._first, self._first_at, self._orphaned = signum, time.monotonic(), orphaned
+            self._first_passed_on = passed_on
             assert self._stop is not None
             self._stop.signum = signum
             timer = threading.Timer(self._grace_s, self.overdue)
