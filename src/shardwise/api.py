@@ -227,8 +227,7 @@ def _comm_policy(
     if policy is None:
         return None, post_forward_size
     world = mesh.size(mesh.ndim - 1)
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    derived = int(local) if local.isdigit() and int(local) > 0 and world % int(local) == 0 else None
+    derived = comm_policy.launcher_node_size(world)
     policy = comm_policy.check(policy, world, torch.device(mesh.device_type), derived)
     if not policy.enabled:
         return None, post_forward_size
@@ -259,7 +258,8 @@ def _check_mesh_parts(label: str, spmd: bool, post_forward_size: int, named: lis
     why = (
         "dp_mesh_dims (every parameter a DTensor on one SPMD mesh)"
         if spmd
-        else "reshard_after_forward=<int> (its group of ranks is one mesh's)"
+        else "reshard_after_forward=<int> or CommPolicy(node_local_backward=True) (a "
+        "post-forward group is one mesh's)"
         if post_forward_size
         else "parameters that gather themselves (float8)"
         if any(has_hooks(p._local_tensor if isinstance(p, DTensor) else p) for _, p, _ in named)
@@ -370,9 +370,6 @@ def _resolve_reshard(raf: bool | int | None, mesh: DeviceMesh) -> tuple[bool | N
     return True, raf
 
 
-_post_forward_groups: dict[tuple[int, ...], Any] = {}
-
-
 def post_forward_group(mesh: DeviceMesh, n: int) -> Any:
     """This rank's group of n consecutive ranks of its shard group, shared between modules.
 
@@ -384,9 +381,7 @@ def post_forward_group(mesh: DeviceMesh, n: int) -> Any:
     row = collectives.group_ranks(mesh.get_group(mesh.ndim - 1))  # this shard group
     start = mesh.get_local_rank(mesh.ndim - 1) // n * n
     ranks = tuple(row[start : start + n])
-    if ranks not in _post_forward_groups:
-        _post_forward_groups[ranks] = collectives.new_group(list(ranks))
-    return _post_forward_groups[ranks]
+    return collectives.subgroup(list(ranks))
 
 
 def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy | None:

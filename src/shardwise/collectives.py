@@ -356,11 +356,19 @@ def new_group(ranks: list[int]) -> dist.ProcessGroup:
 
 
 _subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_subgroups_world: list[Any] = [None]  # the default group they were made in
 
 
 def subgroup(ranks: list[int]) -> dist.ProcessGroup:
     """``new_group(ranks)``, made once per set of ranks and shared (a node's ranks serve
-    both ``reshard_after_forward=n`` and the hierarchical reduction). Its members call it."""
+    both ``reshard_after_forward=n`` and the hierarchical reduction; a separate
+    reduce-scatter group is one more). Its members call it. Made again in a new world:
+    after ``destroy_process_group`` and a new ``init_process_group`` (the planner's
+    simulated worlds, a notebook starting over) the old groups are gone."""
+    world = dist.group.WORLD
+    if _subgroups_world[0] is not world:
+        _subgroups.clear()
+        _subgroups_world[0] = world
     key = tuple(ranks)
     group = _subgroups.get(key)
     if group is None:

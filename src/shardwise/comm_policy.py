@@ -6,9 +6,12 @@ bytes that cross nodes, each opt-in:
 - ``quantize_gather`` (qwZ): the weight all-gather sends int8 (or fp8) blocks
   with one fp32 scale each (quantize.py) and dequantizes into ``param_dtype``:
   about half a bf16 gather's bytes. ``"forward"``: forward's gathers only,
-  backward's at full precision; ``"always"``: both. A recomputed forward
-  (activation checkpointing) gathers quantized, as the first forward did;
-  quantization is deterministic, so it gathers the same values.
+  backward's at full precision; ``"always"``: both. With activation
+  checkpointing use ``"always"``: under ``"forward"`` a recomputed forward may
+  compute with backward's full-precision gather (a module prefetched for its
+  backward, or checkpointed inside), so its gradients are of weights slightly
+  unlike the first forward's (``shardwise train`` refuses the pair;
+  tests/library/test_comm_policy_training.py keeps it as a strict xfail).
 - ``node_local_backward`` (hpZ): after forward each rank keeps the weights
   sharded over its node's ranks only (``reshard_after_forward=node_size``),
   so backward's gathers never leave the node; the price is ``world /
@@ -20,8 +23,9 @@ bytes that cross nodes, each opt-in:
   fp32. Each rank ends with exactly the shard a plain reduce-scatter gives it.
 
 ``node_size`` is the number of consecutive ranks of the shard group that form a
-node (8 for 8-GPU nodes); ``check`` takes it from the caller when the mesh
-says it (a 2-D mesh of nodes x GPUs, torchrun's ``LOCAL_WORLD_SIZE``).
+node (8 for 8-GPU nodes); when the policy names none it is the launcher's
+``LOCAL_WORLD_SIZE`` (torchrun's: the processes of one machine) where that
+divides the shard group (``launcher_node_size``).
 
 Alternatives considered. (1) Three keywords of ``fully_shard``: they belong
 together (one node size, one block size), and a frozen object can be set on
@@ -32,6 +36,7 @@ the same layouts without reshaping the user's mesh.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,6 +83,15 @@ def fp8_supported(device: torch.device) -> bool:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.get_device_capability(index) >= (8, 9)
     return False
+
+
+def launcher_node_size(shard_size: int) -> int | None:
+    """The processes of this machine (``LOCAL_WORLD_SIZE``, which torchrun sets) if it
+    divides a shard group of ``shard_size`` ranks, else None."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0 and shard_size % int(local) == 0:
+        return int(local)
+    return None
 
 
 def check(

@@ -271,19 +271,29 @@ class FSDPModule(_TorchFSDPModule):
         plainly), as ``fully_shard(comm_policy=...)``. Every rank calls it: making the
         node groups is a collective over the shard group. Checked for every module
         before any changes; a node-local backward replaces an int
-        ``reshard_after_forward`` (as a bool does)."""
+        ``reshard_after_forward`` (as a bool does). The node size, where the policy names
+        none, is the launcher's, as for ``fully_shard``."""
         groups = self._groups(recurse)
         checked: list[tuple[ParamGroup, CommPolicy | None]] = []
         for g in groups:
             if policy is None:
                 checked.append((g, None))
                 continue
-            ok = comm_policy.check(policy, g.world, torch.device(g.device.type))
+            derived = comm_policy.launcher_node_size(g.world)
+            ok = comm_policy.check(policy, g.world, torch.device(g.device.type), derived)
+            if ok.node_local_backward and not g.one_mesh:
+                raise ValueError(
+                    f"set_comm_policy: module {g.label!r} has parameters on several meshes "
+                    "(shard_placement_fn); node_local_backward's post-forward group is one mesh's"
+                )
             checked.append((g, ok if ok.enabled else None))
+        # The node groups (collectives over the shard group) before any module changes.
         for g, p in checked:
             node = p.node_size if p is not None else None
-            if p is not None and p.quantize_reduce and node is not None and 1 < node < g.world:
+            if p is not None and node is not None and 1 < node < g.world:
                 node_collectives.node_groups(g.shard_group, node)
+        for g, p in checked:
+            node = p.node_size if p is not None else None
             was = g.settings.comm_policy
             if p is not None and p.node_local_backward and node is not None and node < g.world:
                 g.use_post_forward_group(node_collectives.node_groups(g.shard_group, node).node)
@@ -462,15 +472,9 @@ def _backend(state: ModuleState) -> str:
     return collectives.backend(group)
 
 
-_separate: dict[tuple[int, ...], Any] = {}
-
-
 def _separate_group(group: Any) -> Any:
     """One extra process group per set of ranks (created collectively, once)."""
-    ranks = tuple(collectives.group_ranks(group))
-    if ranks not in _separate:
-        _separate[ranks] = collectives.new_group(list(ranks))
-    return _separate[ranks]
+    return collectives.subgroup(collectives.group_ranks(group))
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

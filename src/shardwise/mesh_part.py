@@ -24,12 +24,14 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives, gather
 from .flat_shard import FlatShard, local_of
 from .reduce import HeldBack, ReduceJob
 from .settings import GroupSettings
+from .tensor_parallel import TPLayout
 
 
 class MeshPart:
@@ -100,10 +102,15 @@ class MeshPart:
         last_backward: bool,
         downloads: list[Any],
     ) -> ReduceJob | None:
-        """This part's reduction of ``grads`` (the group's, by position), None if
-        none of its parameters has a gradient to reduce."""
+        """This part's reduction of ``grads`` (the group's, by position), None if it has
+        nothing to reduce on any rank: no parameter with a gradient here, none
+        trainable (the same on every rank: a trainable one sends zeros where it got
+        no gradient, as in a one-mesh group), and no HSDP sums held back. Deciding
+        by this rank's gradients alone would skip a reduce-scatter its peers issue
+        (an expert that got no token here)."""
         mine = list(used[self.start : self.stop])
-        if not any(mine):
+        trainable = any(sp.sharded.requires_grad for sp in self.layout.params)
+        if not any(mine) and not trainable and self.held_back.sums is None:
             return None
         return ReduceJob(
             self.layout,
@@ -142,26 +149,82 @@ class Reductions:
         return events[-1] if events else None
 
     def scattered(self) -> None:
-        for _, job in self.jobs:
-            job.scattered()
+        for i, (_, job) in enumerate(self.jobs):
+            try:
+                job.scattered()
+            except BaseException:
+                self._discard(i + 1)
+                raise
 
     def discard(self) -> None:
-        for _, job in self.jobs:
-            job.discard()
+        self._discard(0)
+
+    def _discard(self, start: int) -> None:
+        """Wait for what the jobs from ``start`` on issued, without applying it (their
+        buffers must outlive their collectives), even if one of them raises."""
+        error: BaseException | None = None
+        for _, job in self.jobs[start:]:
+            try:
+                job.discard()
+            except BaseException as e:  # the others still wait
+                error = error or e
+        if error is not None:
+            raise error
 
     def finish(self) -> list[Any] | None:
         """Every part's shards by group position; None only when every part held its
         sums back (HSDP, ``set_requires_all_reduce(False)``)."""
         shards: list[Any] = [None] * self.size
         any_shards = False
-        for part, job in self.jobs:
-            got = job.finish()
+        for i, (part, job) in enumerate(self.jobs):
+            try:
+                got = job.finish()
+            except BaseException:
+                self._discard(i + 1)  # popped from the context's list: nothing else waits
+                raise
             if got is None:  # held back: nothing for its parameters this time
                 self.used[part.start : part.stop] = [False] * (part.stop - part.start)
                 continue
             shards[part.start : part.stop] = got
             any_shards = True
         return shards if any_shards else None
+
+
+def split_by_mesh(
+    named: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+    mesh: DeviceMesh,
+    meshes: Sequence[DeviceMesh] | None,
+    device: torch.device,
+    settings: GroupSettings,
+    label: str,
+    tp: Sequence[TPLayout | None] | None,
+    dims: Sequence[int] | None,
+) -> list[MeshPart]:
+    """One part per mesh: the call's mesh first, then the others in the order their
+    first parameter comes (the same on every rank: the order of the module's
+    parameters)."""
+    if meshes is None:
+        return [MeshPart(FlatShard(named, mesh, device, settings, label, tp, dims), mesh, 0, True)]
+    order: list[DeviceMesh] = [mesh] if any(m == mesh for m in meshes) else []
+    for m in meshes:
+        if not any(m == o for o in order):
+            order.append(m)
+    parts: list[MeshPart] = []
+    start = 0
+    for m in order:
+        idx = [i for i, own in enumerate(meshes) if own == m]
+        layout = FlatShard(
+            [named[i] for i in idx],
+            m,
+            device,
+            settings,
+            label,
+            None if tp is None else [tp[i] for i in idx],
+            None if dims is None else [dims[i] for i in idx],
+        )
+        parts.append(MeshPart(layout, m, start, first=not parts))
+        start += len(idx)
+    return parts
 
 
 # What a group's ``reduce_grads`` starts: one part's job, or every part's.

@@ -42,8 +42,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import collectives
-from .flat_shard import FlatShard, local_of
-from .mesh_part import MeshPart, Reduction, Reductions
+from .flat_shard import local_of
+from .mesh_part import MeshPart, Reduction, Reductions, split_by_mesh
 from .settings import GroupSettings
 from .sharded_param import ShardedParam
 from .step_in_backward import StepInBackward
@@ -157,7 +157,7 @@ class ParamGroup:
         _OptimizerSteps.watch()
         self._gathered_version = (-1, -1)  # what the last gather read (``stale``)
 
-        self.parts = _parts(named, mesh, meshes, self.device, settings, label, tp, dims)
+        self.parts = split_by_mesh(named, mesh, meshes, self.device, settings, label, tp, dims)
         self.params: list[ShardedParam] = [sp for p in self.parts for sp in p.layout.params]
         # The call's mesh (the first part): what one-mesh callers and settings mean.
         first = self.parts[0]
@@ -503,6 +503,8 @@ class ParamGroup:
             for part in self.parts
             if (job := part.reduce(self.settings, grads, used, last_backward, downloads))
         ]
+        if not jobs:
+            return None
         return jobs[0][1] if self.one_mesh else Reductions(jobs, len(self.params))
 
     def grads_to_step(self) -> list[tuple[Any, Any]]:
@@ -570,40 +572,3 @@ class ParamGroup:
             if hooks:
                 for hook in list(hooks.values()):
                     hook(p)
-
-
-def _parts(
-    named: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-    mesh: DeviceMesh,
-    meshes: Sequence[DeviceMesh] | None,
-    device: torch.device,
-    settings: GroupSettings,
-    label: str,
-    tp: Sequence[TPLayout | None] | None,
-    dims: Sequence[int] | None,
-) -> list[MeshPart]:
-    """One part per mesh: the call's mesh first, then the others in the order their
-    first parameter comes (the same on every rank: the order of the module's
-    parameters)."""
-    if meshes is None:
-        return [MeshPart(FlatShard(named, mesh, device, settings, label, tp, dims), mesh, 0, True)]
-    order: list[DeviceMesh] = [mesh] if any(m == mesh for m in meshes) else []
-    for m in meshes:
-        if not any(m == o for o in order):
-            order.append(m)
-    parts: list[MeshPart] = []
-    start = 0
-    for m in order:
-        idx = [i for i, own in enumerate(meshes) if own == m]
-        layout = FlatShard(
-            [named[i] for i in idx],
-            m,
-            device,
-            settings,
-            label,
-            None if tp is None else [tp[i] for i in idx],
-            None if dims is None else [dims[i] for i in idx],
-        )
-        parts.append(MeshPart(layout, m, start, first=not parts))
-        start += len(idx)
-    return parts

@@ -32,31 +32,6 @@ def fake_world(world: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-        _forget_groups()
-
-
-# The runtime makes each smaller group once per set of ranks and keeps it for the
-# process's life (a node's ranks, reshard_after_forward=n's ranks, a separate
-# reduction group); a group of a destroyed world is unknown to the next one, whose
-# runtime would look its ranks up and fail, so the planner's worlds take theirs along.
-_GROUP_CACHES = (
-    ("shardwise.api", "_post_forward_groups"),
-    ("shardwise.collectives", "_subgroups"),
-    ("shardwise.node_collectives", "_node_groups"),
-    ("shardwise.fsdp_module", "_separate"),
-)
-
-
-def _forget_groups() -> None:
-    import importlib
-
-    for module, name in _GROUP_CACHES:
-        try:
-            cache = getattr(importlib.import_module(module), name, None)
-        except ImportError:  # a runtime without it
-            continue
-        if isinstance(cache, dict):
-            cache.clear()
 
 
 def mesh(world: int, hsdp: int = 1) -> Any:

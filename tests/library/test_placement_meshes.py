@@ -25,6 +25,7 @@ custom collective) is refused naming the module, nothing changed.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -283,6 +284,52 @@ def check_state_dicts_per_mesh(rank: int, world: int) -> None:
             torch.testing.assert_close(_full(p.detach()), _full(q.detach()), msg=name)
 
 
+class Sometimes(nn.Module):
+    """A dense layer on dp and an extra one on the expert mesh that only ranks 0 and 1
+    use (an expert no token reached on ranks 2 and 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.extra = nn.Linear(D, D)
+        self.head = nn.Linear(D, 3)
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.use_extra:
+            h = h + self.extra(h)
+        return self.head(h)
+
+
+def check_a_part_unused_on_some_ranks(rank: int, world: int) -> None:
+    """Ranks 2 and 3 give the expert-mesh part no gradient: every rank still reduces
+    it (zeros from those), so no rank waits on a reduce-scatter its peer skipped, and
+    the gradient is the mean over its mesh of what each rank computed."""
+    dp, edp, _ = _meshes()
+    torch.manual_seed(0)
+    ref = Sometimes()
+    ref.use_extra = rank < 2
+    x, y = _batch(0)
+    x, y = x[rank * TOKENS : (rank + 1) * TOKENS], y[rank * TOKENS : (rank + 1) * TOKENS]
+    model = copy.deepcopy(ref)
+    F.cross_entropy(ref(x), y).backward()
+    want = ref.extra.weight.grad if ref.extra.weight.grad is not None else torch.zeros(D, D)
+    dist.all_reduce(want, group=edp.get_group())
+    want /= edp.size()
+    extra = set(model.extra.parameters())
+    fully_shard(
+        model,
+        mesh=dp,
+        shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), edp) if p in extra else None,
+    )
+    model.set_reduce_scatter_unused_params(True)
+    F.cross_entropy(model(x), y).backward()
+    got = model.extra.weight.grad
+    assert got is not None
+    torch.testing.assert_close(got.full_tensor(), want, rtol=RTOL, atol=ATOL)
+
+
 def check_bad_meshes_refused(rank: int, world: int) -> None:
     """A mesh without this rank, reshard_after_forward=<int>, a custom collective:
     refused naming the module, the module left as it was."""
@@ -333,6 +380,7 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "default-divide-equals-fsdp2": check_default_divide_equals_fsdp2,
     "one-collective-per-mesh": check_one_collective_per_mesh,
     "state-dicts": check_state_dicts_per_mesh,
+    "part-unused-on-some-ranks": check_a_part_unused_on_some_ranks,
     "bad-meshes": check_bad_meshes_refused,
 }
 
