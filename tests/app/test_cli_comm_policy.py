@@ -39,8 +39,18 @@ def _bad(args: list[str], cwd: Path) -> str:
             ["--nproc", "4", "--hsdp", "2", "--comm-policy", "qgz", "--node-size", "4"],
             "--node-size 4 does not divide the 2 processes each parameter is sharded over",
         ),
+        (
+            ["--comm-policy", "qwz", "--activation-checkpointing", "non-reentrant"],
+            "use --comm-policy qwz-always with --activation-checkpointing",
+        ),
     ],
-    ids=["unknown name", "node size 0", "node size 3 of 2", "node size 4 of an hsdp shard of 2"],
+    ids=[
+        "unknown name",
+        "node size 0",
+        "node size 3 of 2",
+        "node size 4 of an hsdp shard of 2",
+        "forward-only quantization with checkpointing",
+    ],
 )
 def test_bad_comm_policy_flags(args: list[str], message: str, tmp_path: Path) -> None:
     line = _bad(args, tmp_path)
