@@ -62,11 +62,11 @@ class Job:
         self.seen.update(found)
         return found
 
-    def wait_for_stall(self) -> list[int]:
+    def wait_for_stall(self, ranks: int = 2) -> list[int]:
         def stalled() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"ended ({self.proc.returncode}): {self.output()}")
-            return self.mark.exists() and len(self.workers()) == 2
+            return self.mark.exists() and len(self.workers()) == ranks
 
         wait_for("the stall", stalled, timeout=150)
         return self.workers()
@@ -170,6 +170,28 @@ def test_sigkill_of_the_launcher_ends_orphans_stalled_in_a_step(job) -> None:
     # Rank 0 says it (the launcher that would is gone), in one line.
     said = [line for line in j.output().splitlines() if "--stop-grace" in line]
     assert len(said) == 1 and said[0].startswith("shardwise train: the launcher is gone"), said
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_sigkill_of_the_launcher_ends_orphans_on_gpus(job) -> None:
+    """CUDA and NCCL: the launcher killed while the last rank stalls in a step and the
+    others wait in an NCCL collective it never joins (on one GPU, the one rank stalls):
+    no worker outlives the grace period + 10 s."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    n = min(2, torch.cuda.device_count())
+    j = job(
+        "train", "--batch-size", "4", "--seq-len", "32", "--eval-every", "4", "--nproc", str(n),
+        "--steps", "12", "--stop-grace", str(GRACE), "--out", "run", stall=f"step 3 {n - 1}",
+    )  # fmt: skip
+    workers = j.wait_for_stall(n)
+    j.proc.kill()
+    j.proc.wait(timeout=10)
+    took = gone_within(workers, GRACE + 10)
+    assert took > GRACE - 1.5, "the orphans did not wait for a step boundary first"
 
 
 @pytest.mark.timeout(300)
