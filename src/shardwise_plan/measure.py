@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .comm import CommPolicy
 from .optimizers import DEFAULT
 from .policy import Policy
 from .ranks import run_ranks
@@ -66,7 +67,12 @@ class Run:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Run:
-        policy = Policy(**d["policy"])
+        fields = dict(d["policy"])
+        comm = fields.get("comm")
+        if isinstance(comm, dict):  # asdict made the communication policy a dict too
+            names = {f.name for f in dataclasses.fields(CommPolicy)}
+            fields["comm"] = CommPolicy(**{k: v for k, v in comm.items() if k in names})
+        policy = Policy(**fields)
         return cls(**{**d, "policy": policy, "build_args": tuple(d["build_args"])})
 
 
