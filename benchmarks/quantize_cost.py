@@ -23,6 +23,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -71,25 +72,62 @@ def main() -> None:
     block = Block(cfg).to(device)
     numel = sum(p.numel() for p in block.parameters())
     shard = -(-numel // args.world)
+    torch.manual_seed(0)
     flat = torch.randn(1, shard, device=device)  # this rank's fp32 master shard
     rows = torch.empty(
         args.world, quantize.row_bytes(shard, args.block_size), dtype=torch.uint8, device=device
     )
 
-    def pack() -> None:
-        quantize.pack(flat, args.block_size, torch.int8, rows[:1])
+    b, nb = args.block_size, quantize.blocks(shard, args.block_size)
+    scales = rows[:, : nb * quantize.SCALE_BYTES].view(torch.float32)
+    values = rows[:, nb * quantize.SCALE_BYTES : nb * quantize.SCALE_BYTES + nb * b]
+    out = torch.empty(args.world, shard, dtype=torch.bfloat16, device=device)
 
-    def unpack() -> torch.Tensor:
-        return quantize.unpack(rows, shard, args.block_size, torch.int8, torch.bfloat16)
+    def torch_ops(quant: Any, dequant: Any) -> tuple[Any, Any]:
+        """Pack and unpack by quantize.py's torch ops (the CPU's path), with ``quant``
+        and ``dequant`` for its two steps (compiled or not)."""
 
-    # The runtime runs the eager kernels (node_collectives.quantized_all_gather).
-    # Compiled with dynamic shapes (every module's shard has its own size) the
-    # dequantize ran slower than eager on an H100 (0.62 against 0.51 ms); compiled
+        def torch_pack() -> None:
+            q, s = quant(flat, b)
+            scales[:1].copy_(s)
+            values[:1].copy_(q.view(torch.uint8).view(1, nb * b))
+
+        def torch_unpack() -> None:
+            q = values.view(torch.int8).view(args.world, nb, b)
+            out.copy_(dequant(q, scales, shard, torch.bfloat16))
+
+        return torch_pack, torch_unpack
+
+    torch_pack, torch_unpack = torch_ops(quantize.quantize, quantize.dequantize)
+
+    def pack() -> None:  # what the runtime runs (fused on a GPU: quantize_gpu.py)
+        quantize.pack(flat, b, torch.int8, rows[:1])
+
+    def unpack() -> None:
+        quantize.unpack_into(out, rows, shard, b, torch.int8)
+
+    rows.zero_()
+    torch_pack()
+    want_rows = rows.clone()
+    torch_unpack()
+    want = out.clone()
+    rows.zero_()
+    pack()
+    unpack()
+    same = torch.equal(rows[:1], want_rows[:1])
+    diff = (out.float() - want.float()).abs().max().item()
+    print(f"runtime against torch ops: packed row equal {same}, unpacked max |diff| {diff:.3g}")
+    # Compiled with dynamic shapes (every module's shard has its own size) the torch
+    # ops' unpack ran slower than eager on an H100 (0.62 against 0.51 ms); compiled
     # for one shape it is the row below.
     results = {}
     for name, p, u in (
-        ("eager (the runtime's)", pack, unpack),
-        ("compiled, one shape", torch.compile(pack), torch.compile(unpack)),
+        ("torch ops, eager", torch_pack, torch_unpack),
+        (
+            "torch ops, compiled for one shape",
+            *torch_ops(torch.compile(quantize.quantize), torch.compile(quantize.dequantize)),
+        ),
+        ("the runtime's (fused on a GPU)", pack, unpack),
     ):
         results[name] = (_time(p, device, args.repeats), _time(u, device, args.repeats))
 

@@ -25,7 +25,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from . import collectives
-from .quantize import pack, row_bytes, unpack
+from .quantize import pack, row_bytes, unpack, unpack_into
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def quantized_all_gather(
     pack(input.view(1, n), block, qdtype, send.view(1, rb))
 
     def dequantize() -> None:
-        output.copy_(unpack(recv.view(world, rb), n, block, qdtype, output.dtype))
+        unpack_into(output, recv.view(world, rb), n, block, qdtype)
 
     return collectives.all_gather(recv, send.view(-1), group, label, then=dequantize)
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import quantize_gpu
+
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_BYTES = 4  # one fp32 scale per block
@@ -123,6 +125,14 @@ def pack(x: torch.Tensor, block: int, dtype: torch.dtype, out: torch.Tensor) -> 
     """Quantize each row of ``x`` (``[rows, n]``) into ``out`` (uint8 ``[rows, row_bytes]``)."""
     rows, n = x.shape
     nb = blocks(n, block)
+    if quantize_gpu.usable(x, block, dtype) and x.stride(-1) == 1:
+        quantize_gpu.pack(
+            x,
+            block,
+            out[:, : nb * SCALE_BYTES].view(torch.float32),
+            out[:, nb * SCALE_BYTES : nb * SCALE_BYTES + nb * block].view(torch.int8),
+        )
+        return
     q, scales = quantize(x, block, dtype)
     out[:, : nb * SCALE_BYTES].view(torch.float32).copy_(scales)
     values = out[:, nb * SCALE_BYTES : nb * SCALE_BYTES + nb * block]
@@ -137,5 +147,23 @@ def unpack(
     nb = blocks(numel, block)
     scales = packed[:, : nb * SCALE_BYTES].view(torch.float32)
     values = packed[:, nb * SCALE_BYTES : nb * SCALE_BYTES + nb * block]
+    if quantize_gpu.usable(packed, block, qdtype):
+        out = torch.empty(rows, numel, dtype=dtype, device=packed.device)
+        quantize_gpu.unpack(values.view(torch.int8), scales, out, block)
+        return out
     q = values.view(qdtype).view(rows, nb, block)
     return dequantize(q, scales, numel, dtype)
+
+
+def unpack_into(
+    out: torch.Tensor, packed: torch.Tensor, numel: int, block: int, qdtype: torch.dtype
+) -> None:
+    """``unpack`` written into ``out`` (``[rows, numel]``, its dtype): on a GPU straight
+    from the packed rows, with no temporary (quantize_gpu.py)."""
+    if quantize_gpu.usable(packed, block, qdtype) and out.stride(-1) == 1:
+        nb = blocks(numel, block)
+        scales = packed[:, : nb * SCALE_BYTES].view(torch.float32)
+        values = packed[:, nb * SCALE_BYTES : nb * SCALE_BYTES + nb * block]
+        quantize_gpu.unpack(values.view(torch.int8), scales, out, block)
+        return
+    out.copy_(unpack(packed, numel, block, qdtype, out.dtype))

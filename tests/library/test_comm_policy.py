@@ -395,3 +395,34 @@ CHECKS = {
 }
 
 test_on_two_nodes_of_two = named_check_test(__name__, CHECKS, W)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_gpu_kernels_pack_and_unpack_as_the_torch_ops() -> None:
+    """On a GPU, pack and unpack run one Triton kernel each (quantize_gpu.py): the same
+    bytes and values as quantize.py's torch ops on finite data (an uneven last block, a
+    block of zeros), NaN for a block with a NaN, into bf16 and fp32."""
+    from shardwise import quantize, quantize_gpu
+
+    block, rows, n = 256, 3, 5 * 256 + 77
+    if not quantize_gpu.usable(torch.empty(0, device="cuda"), block, torch.int8):
+        pytest.skip("no Triton here")
+    x = torch.randn(rows, n, device="cuda") * torch.logspace(-3, 3, rows, device="cuda")[:, None]
+    x[1, 256:512] = 0
+    nb, rb = quantize.blocks(n, block), quantize.row_bytes(n, block)
+    fused = torch.zeros(rows, rb, dtype=torch.uint8, device="cuda")
+    quantize.pack(x, block, torch.int8, fused)
+    q, s = quantize.quantize(x, block)
+    torch.testing.assert_close(fused[:, : nb * 4].view(torch.float32), s, rtol=0, atol=0)
+    got = fused[:, nb * 4 : nb * 4 + nb * block].view(torch.int8).view(rows, nb, block)
+    assert torch.equal(got, q)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = torch.empty(rows, n, dtype=dtype, device="cuda")
+        quantize.unpack_into(out, fused, n, block, torch.int8)
+        assert torch.equal(out, quantize.dequantize(q, s, n, dtype))
+        assert torch.equal(quantize.unpack(fused, n, block, torch.int8, dtype), out)
+    x[2, 3] = float("nan")
+    quantize.pack(x, block, torch.int8, fused)
+    out = quantize.unpack(fused, n, block, torch.int8, torch.float32)
+    assert out[2, :block].isnan().all() and out[2, block:].isfinite().all()

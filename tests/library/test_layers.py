@@ -117,6 +117,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("node_collectives",),
     ("precision", "tensor_parallel", "collectives", "offload", "comm_policy"),
     ("containers", "labels", "quantize", "placement"),
+    ("quantize_gpu",),  # quantize.py's int8 pack and unpack fused on CUDA (Triton, lazily)
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 RUNTIME_FILES = sorted(p.stem for p in RUNTIME.glob("*.py") if p.name not in RUN_ONLY)
