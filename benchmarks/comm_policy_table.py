@@ -57,26 +57,12 @@ def replicas(world: int) -> int:
 def plan_row(argv: list[str]) -> dict[str, Any]:
     """One row: planned as ``shardwise plan ARGV`` plans it, then replayed on each preset."""
     from shardwise_plan import HARDWARE as PRESETS
-    from shardwise_plan import plan, replan
+    from shardwise_plan import replan
 
-    args = plan_cli.parser().parse_args(argv)
-    plan_cli.check_args(args)
-    hw = plan_cli.hardware(args)
-    build, seq = plan_cli.resolve_model(args.model, args.seq_len)
-    policy = plan_cli.policy_of(args)
-    plan_cli.check_policy(args, policy, hw)
     t0 = time.perf_counter()
-    p = plan(
-        build,
-        args.world_size,
-        batch_size=args.batch_size,
-        seq_len=seq,
-        policy=policy,
-        hsdp=args.hsdp,
-        hardware=hw,
-        optimizer=args.optimizer,
-    )
+    p, args, _ = plan_cli.planned(argv)
     wall = time.perf_counter() - t0
+    hw = plan_cli.hardware(args)
     link = p.collectives["bytes_per_link"]
     out: dict[str, Any] = {
         "argv": " ".join(argv),

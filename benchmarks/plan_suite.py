@@ -105,26 +105,7 @@ def suite_rows(name: str, text: str) -> list[int]:
 def predict(argv: list[str], compute: str) -> tuple[Any, Any, int]:
     """The row's plan (``shardwise plan ARGV``, as the command makes it), its parsed
     flags and its sequence length."""
-    from shardwise_plan import plan
-
-    args = plan_cli.parser().parse_args(argv)
-    plan_cli.check_args(args)
-    hw = plan_cli.hardware(args)
-    build, seq = plan_cli.resolve_model(args.model, args.seq_len)
-    policy = plan_cli.policy_of(args)
-    plan_cli.check_policy(args, policy, hw)
-    p = plan(
-        build,
-        args.world_size,
-        batch_size=args.batch_size,
-        seq_len=seq,
-        policy=policy,
-        hsdp=args.hsdp,
-        hardware=hw,
-        optimizer=args.optimizer,
-        compute=compute,
-    )
-    return p, args, seq
+    return plan_cli.planned(argv, compute=compute)
 
 
 def measure_row(args: Any, p: Any, seq: int, launches: int | None) -> dict[str, Any]:

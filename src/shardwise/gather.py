@@ -237,7 +237,28 @@ class RankMajor(Gather):
                     dst.copy_(piece if sp.dim == 0 else sp.rank_major(piece))
 
 
-class AfterForwardPart(RankMajor):
+class Around(RankMajor):
+    """A rank-major gather of its own for some gathers, ``inner``'s (the way the group
+    gathers without it) for the others: ``issue`` sets ``own`` to say which, and
+    ``finish`` and ``drop`` follow it."""
+
+    def __init__(self, layout: FlatShard, comm: GatherComm, inner: Gather) -> None:
+        super().__init__(layout, comm)
+        self.inner = inner
+        self.own = False
+
+    def finish(self) -> None:
+        if self.own:
+            super().finish()
+        else:
+            self.inner.finish()
+
+    def drop(self) -> None:
+        self.buffers = ()
+        self.inner.drop()
+
+
+class AfterForwardPart(Around):
     """``reshard_after_forward=n``: a gather from the part kept after forward runs
     over this rank's group of n ranks (its output is the usual rank-major buffer);
     any other gather is ``inner``'s."""
@@ -245,15 +266,13 @@ class AfterForwardPart(RankMajor):
     name = "post-forward part"
 
     def __init__(self, layout: FlatShard, comm: GatherComm, inner: Gather) -> None:
-        super().__init__(layout, comm)
-        self.inner = inner
+        super().__init__(layout, comm, inner)
         self.name = f"{inner.name}, post-forward part"
-        self._from_kept = False
 
     def issue(
         self, kept: torch.Tensor | None, backward: bool = False
     ) -> collectives.Pending | None:
-        self._from_kept = kept is not None
+        self.own = kept is not None
         if kept is None:
             return self.inner.issue(None, backward)
         assert self.comm.post_forward_group is not None
@@ -265,23 +284,13 @@ class AfterForwardPart(RankMajor):
         self.buffers = (kept, out)
         return pending
 
-    def finish(self) -> None:
-        if self._from_kept:
-            super().finish()
-        else:
-            self.inner.finish()
 
-    def drop(self) -> None:
-        self.buffers = ()
-        self.inner.drop()
-
-
-class Quantized(RankMajor):
+class Quantized(Around):
     """``CommPolicy.quantize_gather`` (qwZ): this rank's flat shard in int8 (or fp8)
     blocks with their scales, one byte-row all-gather, dequantized into a rank-major
     buffer in the compute dtype when waited for, then copied out as ``RankMajor``
     does. Gathers the policy keeps at full precision (backward's, under
-    ``"forward"``) are ``full``'s, the way the group gathers without the policy.
+    ``"forward"``) are ``inner``'s, the way the group gathers without the policy.
 
     It quantizes the flat shard as stored (fp32 master weights, say), not its cast
     to ``param_dtype``: one rounding, not two.
@@ -296,19 +305,17 @@ class Quantized(RankMajor):
 
     name = "quantized"
 
-    def __init__(self, layout: FlatShard, comm: GatherComm, full: Gather) -> None:
-        super().__init__(layout, comm)
+    def __init__(self, layout: FlatShard, comm: GatherComm, inner: Gather) -> None:
+        super().__init__(layout, comm, inner)
         assert comm.policy is not None
         self.policy = comm.policy
-        self.full = full
-        self._quantized = False
 
     def issue(
         self, kept: torch.Tensor | None, backward: bool = False
     ) -> collectives.Pending | None:
-        self._quantized = self.policy.quantizes_gather(backward)
-        if not self._quantized:
-            return self.full.issue(kept, backward)
+        self.own = self.policy.quantizes_gather(backward)
+        if not self.own:
+            return self.inner.issue(kept, backward)
         f, p = self.layout, self.policy
         with label("gather"):
             # Allocated on the compute stream, before the side stream (its docstring).
@@ -323,16 +330,6 @@ class Quantized(RankMajor):
                 )  # fmt: skip
         self.buffers = (send, recv, out)
         return pending
-
-    def finish(self) -> None:
-        if self._quantized:
-            super().finish()
-        else:
-            self.full.finish()
-
-    def drop(self) -> None:
-        self.buffers = ()
-        self.full.drop()
 
 
 class Packed(Gather):

@@ -20,7 +20,6 @@ step; one part per mesh keeps everything above the collectives unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives, gather
 from .flat_shard import FlatShard, local_of
-from .reduce import HeldBack, ReduceJob
+from .reduce import HeldBack, ReduceComm, ReduceJob
 from .settings import GroupSettings
 from .tensor_parallel import TPLayout
 
@@ -80,18 +79,19 @@ class MeshPart:
             for sp, t in zip(self.layout.params, self.layout.shard_locals)
         )
 
-    def settings_for_reduce(self, settings: GroupSettings) -> GroupSettings:
-        """The group's settings as this part's reduction reads them: another part
-        reduce-scatters over its own mesh's group, without the communication policy,
-        whose node groups are the first part's (a copy, made per reduction, so the
-        setters' latest values hold)."""
-        if self.first:
-            return settings
-        return replace(
-            settings,
-            reduce_scatter_group=self.shard_group,
-            custom_reduce_scatter=None,
-            comm_policy=None,
+    def reduce_comm(self, settings: GroupSettings) -> ReduceComm:
+        """What this part's reduction runs over, from the settings as they are now: the
+        first part's are the group-wide ones (a separate reduce-scatter group, a user's
+        reduce-scatter, an allocator, the communication policy, whose node groups are
+        made for its shard group); another part reduce-scatters over its own mesh's
+        group, plainly."""
+        if not self.first:
+            return ReduceComm(self.shard_group)
+        return ReduceComm(
+            settings.reduce_scatter_group,
+            settings.custom_reduce_scatter,
+            settings.comm_alloc,
+            settings.comm_policy,
         )
 
     def reduce(
@@ -109,12 +109,16 @@ class MeshPart:
         by this rank's gradients alone would skip a reduce-scatter its peers issue
         (an expert that got no token here)."""
         mine = list(used[self.start : self.stop])
-        trainable = any(sp.sharded.requires_grad for sp in self.layout.params)
-        if not any(mine) and not trainable and self.held_back.sums is None:
+        if (
+            not any(mine)
+            and self.held_back.sums is None
+            and not any(sp.sharded.requires_grad for sp in self.layout.params)
+        ):
             return None
         return ReduceJob(
             self.layout,
-            self.settings_for_reduce(settings),
+            settings,
+            self.reduce_comm(settings),
             self.replicate_group,
             self.held_back,
             list(grads[self.start : self.stop]),

@@ -166,6 +166,8 @@ class ParamGroup:
         self.world, self.rank = self.layout.world, self.layout.rank
         self.shard_numel = self.layout.shard_numel
         self.has_tp = any(p.layout.has_tp for p in self.parts)
+        # Whether any part's gather is a collective (a mesh's world is fixed).
+        self.communicates = any(p.layout.world > 1 for p in self.parts)
         if settings.reduce_scatter_group is None:
             settings.reduce_scatter_group = self.shard_group
         for part in self.parts:
@@ -251,7 +253,7 @@ class ParamGroup:
         rank); after it, the finished block has freed more activations than
         one layer cast ahead holds. An alias, or a cast on the CPU, never:
         gathering those ahead only holds memory sooner."""
-        if any(p.layout.world > 1 for p in self.parts) or self.settings.offload_policy is not None:
+        if self.communicates or self.settings.offload_policy is not None:
             return True
         cast_on_gpu = self.device.type == "cuda" and all(
             not p.layout.aliased and p.packed is None for p in self.parts

@@ -17,16 +17,33 @@ finished the job tells optimizer_in_backward (root.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
 from . import collectives, node_collectives, offload
+from .comm_policy import CommPolicy
 from .flat_shard import FlatShard
 from .labels import label
 from .settings import GroupSettings
 from .sharded_param import ShardedParam
+
+
+@dataclass(frozen=True)
+class ReduceComm:
+    """What one reduction's reduce-scatter runs over, as ``GatherComm`` is for a gather:
+    the process group, a user's reduce-scatter (None: torch's), the allocator of its
+    buffers (None: the caching one) and the communication policy (qgZ). Made by the
+    group's part for each reduction (mesh_part.py): the group-wide settings apply to
+    the part on the ``fully_shard`` call's mesh, another part reduces over its own
+    mesh plainly."""
+
+    group: ProcessGroup
+    custom: Any = None
+    alloc: collectives.Allocator | None = None
+    policy: CommPolicy | None = None
 
 
 class HeldBack:
@@ -62,6 +79,7 @@ class ReduceJob:
         self,
         layout: FlatShard,
         settings: GroupSettings,
+        comm: ReduceComm,
         replicate_group: ProcessGroup | None,
         held_back: HeldBack,
         grads: list[torch.Tensor | None],
@@ -69,8 +87,8 @@ class ReduceJob:
         last_backward: bool,
         downloads: list[Any] | None,
     ):
-        """``settings``: the group's, read as the job runs (the reduce-scatter's
-        group, a divide factor, hooks, whether HSDP all-reduces now);
+        """``settings``: the group's, read as the job runs (a divide factor, hooks,
+        whether HSDP all-reduces now); ``comm``: what the reduce-scatter runs over;
         ``replicate_group``: HSDP's replicas (None: FSDP). ``last_backward``:
         this backward ends the microbatches (only then does optimizer_in_backward
         step; decided now, since an earlier microbatch's job may finish in the
@@ -78,6 +96,7 @@ class ReduceJob:
         nothing waits for yet is listed (the context waits at the end of backward)."""
         g = self.layout = layout
         self.settings = settings
+        self.comm = comm
         self.replicate_group = replicate_group
         self.held_back = held_back
         self.last_backward = last_backward
@@ -129,7 +148,7 @@ class ReduceJob:
             if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
                 filled = [t.to(g.reduce_dtype) for t in filled]
             numel = sum(sp.slot for sp in self.members)
-            alloc = settings.comm_alloc
+            alloc = comm.alloc
             dtype = g.orig_dtype if alone else g.reduce_dtype
             self.out = collectives.comm_buffer(alloc, numel, dtype, device)
             if settings.offload_policy is not None and device.type == "cuda":
@@ -147,7 +166,7 @@ class ReduceJob:
                     _record_stream(filled, device)
                     work = collectives.StreamWork(device)
                 self._pending = collectives.Pending(work, label=g.label, kind="cast")
-            elif (nodes := _node_split(g, settings)) is not None:
+            elif (nodes := _node_split(g, comm)) is not None:
                 self._pending = self._hierarchical(nodes, filled, slots, numel)
             else:
                 rs_in = collectives.comm_buffer(alloc, g.world * numel, g.reduce_dtype, device)
@@ -158,10 +177,10 @@ class ReduceJob:
                     self._pending = collectives.reduce_scatter(
                         self.out,
                         self._rs_in.view(-1),
-                        settings.reduce_scatter_group,
+                        comm.group,
                         g.label,
                         divide_by=None if settings.divide_factor is not None else g.world,
-                        comm=settings.custom_reduce_scatter,
+                        comm=comm.custom,
                         sum_only=settings.force_sum,
                     )
         self.shards = []
@@ -177,11 +196,9 @@ class ReduceJob:
         (``node_collectives.node_major``), then the two-step reduce-scatter, which leaves
         in ``out`` what the flat one would, divided the same way."""
         g, settings = self.layout, self.settings
-        policy = settings.comm_policy
+        policy = self.comm.policy
         assert policy is not None
-        rs_in = collectives.comm_buffer(
-            settings.comm_alloc, g.world * numel, g.reduce_dtype, g.device
-        )
+        rs_in = collectives.comm_buffer(self.comm.alloc, g.world * numel, g.reduce_dtype, g.device)
         self._rs_in = rs_in
         with collectives.side_stream("reduce", g.device):
             _copy_in_nodes(filled, slots, node_collectives.node_major(rs_in, nodes), rs_in)
@@ -322,17 +339,17 @@ def _copy_in(filled: list[torch.Tensor], slots: list[int], out: torch.Tensor) ->
         torch._chunk_cat([t for t in filled if t.numel()], dim=0, num_chunks=world, out=out)
 
 
-def _node_split(g: FlatShard, settings: GroupSettings) -> node_collectives.NodeGroups | None:
+def _node_split(g: FlatShard, comm: ReduceComm) -> node_collectives.NodeGroups | None:
     """The node groups a ``quantize_reduce`` policy reduces through; None where the flat
     reduce-scatter runs: no such policy, a user's reduce-scatter (called as FSDP2 calls
     it), or a group that is one node or that the node size does not split."""
-    policy = settings.comm_policy
-    if policy is None or not policy.quantize_reduce or settings.custom_reduce_scatter is not None:
+    policy = comm.policy
+    if policy is None or not policy.quantize_reduce or comm.custom is not None:
         return None
     node = policy.node_size
     if node is None or node >= g.world or g.world % node:
         return None
-    return node_collectives.node_groups(settings.reduce_scatter_group, node)
+    return node_collectives.node_groups(comm.group, node)
 
 
 def _copy_in_nodes(

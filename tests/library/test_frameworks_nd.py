@@ -39,24 +39,10 @@ CP_CASES = ["cp:llama3", "cp-attention:llama3", "control:cp-averaged"]
 PPTP_CASES = ["pptp:1F1B", "pptp:Interleaved1F1B", "control:pptp-averaged"]
 WORLD4 = PP_CASES + EP_CASES + CP_CASES
 
-# Cases that need what the library does not do yet, under shardwise only: a strict
-# xfail each, so the suite says when they start to pass (none today).
-SHARDWISE_XFAIL: dict[str, str] = {}
-
-
-def xfail_mark(case: str, impl: str) -> Any:
-    if impl == "shardwise" and case in SHARDWISE_XFAIL:
-        return pytest.mark.xfail(strict=True, reason=SHARDWISE_XFAIL[case])
-    return ()
-
 
 def params(cases: list[str]) -> list[Any]:
-    """(case, impl) for every case under both implementations, xfails marked."""
-    return [
-        pytest.param(case, impl, marks=xfail_mark(case, impl), id=f"{case}-{impl}")
-        for case in cases
-        for impl in IMPLS
-    ]
+    """(case, impl) for every case under both implementations."""
+    return [pytest.param(case, impl, id=f"{case}-{impl}") for case in cases for impl in IMPLS]
 
 
 def run_nd(world: int, cases: list[str], timeout: float) -> Results:
@@ -107,25 +93,15 @@ def test_pipeline_tensor_fsdp(titan8: Results, case: str, impl: str) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=SHARDWISE_XFAIL[c]))
-        if c in SHARDWISE_XFAIL else c
-        for c in WORLD4
-        if not c.startswith(("control", "cp-attention"))
-    ],
-)  # fmt: skip
+    [c for c in WORLD4 if not c.startswith(("control", "cp-attention"))],
+)
 def test_shardwise_beside_fsdp2(titan4: Results, case: str) -> None:
     same_history(titan4, case)
 
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=SHARDWISE_XFAIL[c]))
-        if c in SHARDWISE_XFAIL else c
-        for c in PPTP_CASES
-        if not c.startswith("control")
-    ],
-)  # fmt: skip
+    [c for c in PPTP_CASES if not c.startswith("control")],
+)
 def test_shardwise_beside_fsdp2_8_ranks(titan8: Results, case: str) -> None:
     same_history(titan8, case)

@@ -419,6 +419,33 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def planned(argv: list[str], **extra: Any) -> tuple[Any, Any, int]:
+    """``shardwise plan ARGV``'s one plan (no ``--budget``), its flags checked as the
+    command checks them: (the plan, the parsed flags, the sequence length). ``extra``
+    goes to ``shardwise_plan.plan`` (``compute=``). The benchmarks that tabulate plans
+    build their rows by it (benchmarks/plan_suite.py, comm_policy_table.py)."""
+    from shardwise_plan import plan
+
+    args = parser().parse_args(argv)
+    check_args(args)
+    hw = hardware(args)
+    build, seq = resolve_model(args.model, args.seq_len)
+    policy = policy_of(args)
+    check_policy(args, policy, hw)
+    p = plan(
+        build,
+        args.world_size,
+        batch_size=args.batch_size,
+        seq_len=seq,
+        policy=policy,
+        hsdp=args.hsdp,
+        hardware=hw,
+        optimizer=args.optimizer,
+        **extra,
+    )
+    return p, args, seq
+
+
 def policy_of(args: Any) -> Any:
     """The policy the flags name (a budget search varies it)."""
     from shardwise_plan import CommPolicy, Policy, parse_comm
