@@ -342,6 +342,14 @@ class ParamGroup:
         """
         if self.attachment is None:
             trainable = self.trainable
+            if len(trainable) != len(self.params):
+                # Kept gathered since an earlier forward's attachment, a parameter
+                # frozen since would compute with that attachment's tracked tensor:
+                # its gradient would reach the earlier post-backward once more.
+                tracked = {id(sp) for sp in trainable}
+                for sp in self.params:
+                    if id(sp) not in tracked:
+                        sp.install(sp.plain)
             if not trainable:
                 return
             out = track(trainable, self.anchor)

@@ -188,17 +188,20 @@ def test_requires_grad_changed_after_fully_shard(world: int) -> None:
     run_distributed(requires_grad_worker, world)
 
 
-def frozen_between_microbatches_worker(rank: int, world: int) -> None:
-    """Modules kept gathered between two microbatches (``reshard_after_forward=False``,
-    not resharded after backward, gradient sync off for the first) with a parameter
-    frozen and another unfrozen between them: the second microbatch's forward hands
-    out what is trainable now, not the first's attachment, as one process does."""
+def frozen_between_microbatches_worker(rank: int, world: int, kept: bool) -> None:
+    """Two microbatches, gradient sync off for the first, with a parameter of a block
+    and one of the root frozen and a whole block unfrozen between them: the second
+    microbatch computes with what is trainable now, and each gradient equals one
+    process's. ``kept``: the blocks stay gathered between the microbatches
+    (``reshard_after_forward=False``, not resharded after backward), so the second
+    forward finds the first's attachment installed; else they are resharded after
+    forward and backward and gather anew (the root stays gathered either way)."""
     torch.manual_seed(0)
     ref = Net()
     for p in ref.stages[1].b.parameters():
         p.requires_grad_(False)
     model = copy.deepcopy(ref)
-    shard_net(model, {"raf": False})
+    shard_net(model, {"raf": not kept})
     idx = batches(1)[0]
     mine = idx.chunk(world)[rank]
     half = mine.shape[0] // 2
@@ -212,14 +215,15 @@ def frozen_between_microbatches_worker(rank: int, world: int) -> None:
 
     def flip(m: nn.Module) -> None:
         for n, p in (sharded if m is model else dict(m.named_parameters())).items():
-            if n == "stages.0.b.fc1.weight":
+            if n in ("stages.0.b.fc1.weight", "pos"):
                 p.requires_grad_(False)
             elif n.startswith("stages.1.b."):
                 p.requires_grad_(True)
 
-    model.set_reshard_after_backward(False)
+    model.set_reshard_after_backward(not kept)
     for i, (mb, ref_mb) in enumerate(zip(microbatches, whole)):
         if i == 1:
+            assert all(is_gathered(b) == kept for b in (model.stages[0].b, model.stages[1].b))
             flip(model)
             flip(ref)
         model.set_requires_gradient_sync(i == 1)
@@ -231,13 +235,12 @@ def frozen_between_microbatches_worker(rank: int, world: int) -> None:
             torch.testing.assert_close(p.grad.full_tensor(), rp.grad, atol=1e-5, rtol=1e-5, msg=n)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: the parameter frozen between the microbatches ends with a gradient "
-    "unlike one process's (so did the runtime before the attachment was kept)",
-)
 def test_requires_grad_changed_between_microbatches_while_kept_gathered() -> None:
-    run_distributed(frozen_between_microbatches_worker, 2)
+    run_distributed(frozen_between_microbatches_worker, 2, True)
+
+
+def test_requires_grad_changed_between_microbatches_while_resharded() -> None:
+    run_distributed(frozen_between_microbatches_worker, 2, False)
 
 
 # ---- the model cast to another dtype after fully_shard -------------------------------------------
