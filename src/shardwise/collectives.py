@@ -311,6 +311,32 @@ def all_to_all(
     return p
 
 
+def all_to_all_uneven(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup,
+    label: str = "",
+) -> Pending:
+    """Send the j-th part of 1-D ``input`` (``input_splits[j]`` elements) to member j; the
+    i-th part of 1-D ``output`` (``output_splits[i]`` elements) is what member i sent.
+
+    Why uneven parts: a matrix optimizer's owner (shardwise.optim.Muon) receives each
+    member's pieces of the matrices it owns and sends them back; the others receive
+    only their own pieces, so the parts differ per member."""
+    if _on_side_stream():
+        dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+        work: Any = StreamWork()
+    else:
+        work = dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=group, async_op=True
+        )
+    p = Pending(work, label=label, kind="all_to_all")
+    _notify("all_to_all", input, group, label, p)
+    return p
+
+
 # ---- the world, process groups, and Python objects ----------------------------------------
 # The rest of the library asks these instead of torch.distributed, so that no
 # call to it is made anywhere else (tests/library/test_layers.py checks).

@@ -1,0 +1,5 @@
+"""Optimizers that know the shard layout: ``shardwise.optim.Muon`` (docs/optimizers.md)."""
+
+from .muon import Muon
+
+__all__ = ["Muon"]
