@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 import shardwise
+import shardwise.optim.muon as muon_module
 from dist_utils import named_check_test
 from shardwise import fully_shard, optimizer_in_backward
 from shardwise.optim import Muon
@@ -184,6 +185,23 @@ def check_parity_and_flops(rank: int, world: int) -> None:
     ours_err, their_err = error(full(model), ref), error(full(theirs), ref)
     assert ours_err <= their_err, (ours_err, their_err)
     assert ours_err < 1e-3, ours_err  # and close in absolute terms
+    # Batched: one gather and one scatter per step for the model (one bucket) ...
+    seen: list[str] = []
+    remove = shardwise.observe.add_collective_observer(
+        lambda rec, pending: seen.append(rec.label) if rec.kind == "all_to_all" else None
+    )
+    small = ours()
+    small_opts = optimizers(small, Muon)
+    train(small, small_opts, range(1))
+    remove()
+    assert seen == ["muon gather", "muon scatter"], seen
+    # ... and buckets of a few matrices, pipelined, give the same parameters.
+    muon_module.BUCKET_NUMEL, before = 200, muon_module.BUCKET_NUMEL
+    try:
+        train(small, small_opts, range(1, STEPS))
+    finally:
+        muon_module.BUCKET_NUMEL = before
+    assert error(full(small), full(model)) == 0.0
     single = one_flops()
     mine = max(flops) / single
     every = [0.0] * world
