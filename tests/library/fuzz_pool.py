@@ -42,6 +42,14 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
+    import logging
+
+    logging.getLogger("torch.distributed").setLevel(
+        logging.ERROR
+    )  # FSDP2's reshard_after_forward=1 note
+    import sys
+
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - FSDP2's asserts print stacks; results carry errors
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Groups made without a timeout (shardwise's node and post-forward groups, DeviceMesh's)
