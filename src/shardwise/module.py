@@ -99,7 +99,9 @@ class ModuleState(ModuleLifecycle):
             s.bwd_default = backward.targets[len(states) - 1 - i]
         return ctx
 
-    def _gather(self, prefetch: Sequence[ModuleLifecycle], backward: bool = False) -> None:
+    def _gather(
+        self, prefetch: Sequence[ModuleLifecycle], backward: bool = False, recompute: bool = False
+    ) -> None:
         """Issue our gather and wait for it, then issue the prefetches. ``backward``:
         ours is for this module's backward (a recomputed forward's is a forward's:
         it must compute with what the first forward gathered); prefetches in a
@@ -119,7 +121,11 @@ class ModuleState(ModuleLifecycle):
         if tracer is not None and group.state is not GroupState.UNSHARDED:
             tracer.need(self.label, prefetched=group.state is GroupState.GATHERING)
         group.prefetched = False
-        group.wait_unsharded(backward)
+        if recompute:
+            group.recomputes = True
+            group.gather_values(backward=False)  # the values its first forward computed with
+        else:
+            group.wait_unsharded(backward)
         ctx = self.context
         in_backward = ctx is not None and ctx.phase is Phase.BACKWARD
         past_first = in_backward and ctx is not None and ctx.backwards_done > 0
@@ -132,7 +138,8 @@ class ModuleState(ModuleLifecycle):
             if in_backward and g is not None and not g.reached_in_backward():
                 continue  # this backward stops before it (autograd.grad on an activation)
             if g is not None and not s.backward_done and g.state is GroupState.SHARDED:
-                g.unshard(in_backward)
+                # A module recomputed in backward needs the forward's values first.
+                g.unshard(in_backward and not (g.two_values and g.recomputes))
                 g.prefetched = True
                 if self.context is not None and self.context.check:
                     self.context.log(f"{s.label}: prefetched by {self.label}")
@@ -162,9 +169,9 @@ class ModuleState(ModuleLifecycle):
                 needs = ctx.backward_needs(self)
                 targets = self.bwd_targets if self.bwd_targets is not None else needs
                 self._set_phase(Phase.BACKWARD)
-                self._gather(targets if targets is not None else self.bwd_default)
+                self._gather(targets if targets is not None else self.bwd_default, recompute=True)
             else:  # its pre-backward already gathered it and prefetched
-                self._gather([])
+                self._gather([], recompute=True)
         else:
             if self is ctx.root:
                 self._disarm_parts()
@@ -208,6 +215,13 @@ class ModuleState(ModuleLifecycle):
         ctx = self.context
         assert ctx is not None
         output = self._cast_output(output)
+        if self._backward_values_differ() and torch.is_grad_enabled():
+            if ctx.phase is Phase.BACKWARD:
+                assert self.group is not None
+                # Recomputed with the forward's values: its gradients are computed
+                # with the backward's, as without checkpointing.
+                self.group.gather_values(backward=True)
+            output = _SavesLast.wrap(output)
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if tensors:
             # Bound to this forward's attachment: another forward (a no-grad
@@ -261,9 +275,13 @@ class ModuleState(ModuleLifecycle):
             return  # the user's promise: no parameter of this module is needed (an embedding)
         self._gather(targets if targets is not None else self.bwd_default, backward=True)
         if self.group is not None and attachment is not None:
-            # Checkpointing inside this module recomputes its body next, without
-            # our hooks: it must read the forward's autograd-tracked parameters.
-            self.group.install(attachment)
+            if self._backward_values_differ():
+                # Checkpointing inside would recompute with backward's values.
+                _RefuseRecomputeInside.install(self.label, attachment)
+            else:
+                # Checkpointing inside this module recomputes its body next, without
+                # our hooks: it must read the forward's autograd-tracked parameters.
+                self.group.install(attachment)
 
     def post_backward(self, grads: list[torch.Tensor | None] | None) -> None:
         """The group's gradients exist (``_Unsharded.backward``; one per parameter), or,
@@ -356,6 +374,18 @@ class ModuleState(ModuleLifecycle):
             self.group.reshard()
         return output
 
+    def _backward_values_differ(self) -> bool:
+        """Whether this module's backward computes with other values than its forward
+        (qwZ "forward", resharded after forward with no part kept): a recomputation
+        must then gather the forward's values, and the backward's after it."""
+        group = self.group
+        return (
+            group is not None
+            and group.two_values
+            and self.settings.reshard_after_forward
+            and self.settings.post_forward_group is None
+        )
+
     def _attach(self) -> None:
         """Hand out this forward's autograd-tracked parameters (``_Unsharded``)."""
         assert self.group is not None
@@ -437,6 +467,75 @@ class _AfterInputGrads(torch.autograd.Function):
         outs = _AfterInputGrads.apply(state, *needs.values())
         by_id = dict(zip(needs, outs if isinstance(outs, tuple) else (outs,)))
         return map_tensors(lambda t: by_id.get(id(t), t), (args, kwargs))
+
+
+class _SavesLast(torch.autograd.Function):
+    """An identity on a module's outputs that saves one empty tensor for backward.
+
+    Why: torch's non-reentrant checkpoint stops a recomputation as soon as it has
+    recomputed as many saved tensors as the forward saved ("early stop"). A
+    module whose recomputation must gather the backward's values once its body
+    has run (qwZ "forward": ``ModuleState.post_forward``) would be stopped
+    inside its body's last op, before that gather. Saving one more tensor
+    after it makes the gather part of the recomputation.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, marker: torch.Tensor, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.save_for_backward(marker)
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        return (None, *grads)
+
+    @staticmethod
+    def wrap(output: Any) -> Any:
+        needs = {id(t): t for t in tensors_in(output) if t.requires_grad}
+        if not needs:
+            return output
+        marker = torch.empty(0, device=next(iter(needs.values())).device)
+        outs = _SavesLast.apply(marker, *needs.values())
+        by_id = dict(zip(needs, outs if isinstance(outs, tuple) else (outs,)))
+        return map_tensors(lambda t: by_id.get(id(t), t), output)
+
+
+class _RefuseRecomputeInside(torch.Tensor):
+    """What a module whose backward gathers other values than its forward (qwZ
+    "forward") has installed during its backward: any computation with it raises.
+
+    Only a recomputation the hooks do not see reads a module's parameters in its
+    backward (checkpointing inside the sharded module: ``checkpoint_wrapper``
+    applied before ``fully_shard``, a layer's own gradient checkpointing); the
+    backward itself uses the tensors its forward saved. Such a recomputation would
+    compute with the backward's full-precision weights, not the quantized ones
+    the forward used, so its activations would not be the forward's: refused,
+    with one error, in the first backward, before any optimizer step.
+    """
+
+    label: str
+    _passthrough = frozenset({"__get__", "__set__", "__delete__", "__repr__", "__format__"})
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in cls._passthrough:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        label = next((a.label for a in args if isinstance(a, _RefuseRecomputeInside)), "?")
+        raise ValueError(
+            f"module {label!r}: activation checkpointing inside a module sharded with "
+            "CommPolicy(quantize_gather='forward') would recompute with backward's "
+            "full-precision weights, not the forward's quantized ones; checkpoint around "
+            "the sharded module (before fully_shard wraps it), or use quantize_gather='always'"
+        )
+
+    @staticmethod
+    def install(label: str, attachment: Attachment) -> None:
+        for sp, t in zip(attachment.params, attachment.tensors):
+            guard = torch.Tensor._make_subclass(_RefuseRecomputeInside, t.detach())
+            guard.label = label
+            sp.install(guard)
 
 
 def outside_compile(hook: Callable[..., Any]) -> Callable[..., Any]:

@@ -144,6 +144,11 @@ class ParamGroup:
         self.stepped = False  # stepped in this backward: gathering it again is refused
         self.kept: torch.Tensor | None = None  # what reshard_after_forward=int kept for backward
         self.prefetched = False  # gathered by another module's prefetch, not yet used
+        # What the gather in flight or done holds: backward's values (True) or the
+        # forward's (False). They differ only where ``two_values`` (qwZ "forward").
+        self.for_backward = False
+        self.two_values = False  # forward and backward gathers hold other values
+        self.recomputes = False  # its forward was recomputed in a backward (checkpointing)
         self.last_used: list[bool] | None = None  # which parameters got gradients last time
         # The parts' gathers in flight (the list is this gather's identity: ``in_flight``).
         self._pending: list[MeshPart] | None = None
@@ -170,8 +175,7 @@ class ParamGroup:
         self.communicates = any(p.layout.world > 1 for p in self.parts)
         if settings.reduce_scatter_group is None:
             settings.reduce_scatter_group = self.shard_group
-        for part in self.parts:
-            part.choose(settings)
+        self.choose_gather()
 
     @property
     def one_mesh(self) -> bool:
@@ -227,6 +231,8 @@ class ParamGroup:
                 "regions, so its gradients would be computed with stepped parameters; use "
                 "use_reentrant=False there, or remove() the handle"
             )
+        # A gather from the part kept after forward holds the forward's values.
+        self.for_backward = backward and self.kept is None
         in_flight = []
         for part in self.parts:
             if part.replaced():
@@ -308,6 +314,22 @@ class ParamGroup:
             self.reshard()  # the gather in flight belongs to the old way
         for part in self.parts:
             part.choose(self.settings)
+        policy = self.settings.comm_policy
+        self.two_values = (
+            self.communicates and policy is not None and policy.quantize_gather == "forward"
+        )
+
+    def gather_values(self, backward: bool) -> None:
+        """Gathered (or gathering) with the values ``backward`` asks for: under qwZ
+        "forward" a forward's gather holds the quantized weights and a backward's the
+        full-precision ones. A recomputed forward must compute with the forward's
+        (else its activations are not the ones the forward made) and the gradients
+        that follow with the backward's, as without checkpointing: what is gathered
+        with the other values is dropped and gathered again."""
+        if self.two_values and self.state is not GroupState.SHARDED:
+            if self.for_backward != backward:
+                self.reshard()
+        self.wait_unsharded(backward)
 
     def _shards_version(self) -> tuple[int, int]:
         # In-place updates through DTensor bump the parameter's own version

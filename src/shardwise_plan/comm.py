@@ -11,8 +11,10 @@ recorded as the policy would run it:
   dequantizes into the parameters' dtype. "forward" (``qwz``, as ``shardwise
   train --comm-policy`` names it): the forward's gathers,
   and, when every block is checkpointed, the recomputation's in backward (it
-  must see the weights the forward saw) unless hpZ serves it; "always": every
-  gather (``qwz-always``).
+  must see the weights the forward saw) unless hpZ serves it, followed by the
+  backward's own gather at full precision (the gradients are computed with
+  the backward's values, as without checkpointing); "always": every gather
+  (``qwz-always``).
 - **hpZ** (``node_local_backward``): after forward the weights stay sharded
   over the node's ranks, so backward's gathers never leave it. This one the
   simulation runs for real: it is the runtime's ``reshard_after_forward=node
@@ -167,6 +169,19 @@ class CommModel:
         served = self.policy.node_local_backward and self.world > self.node  # hpZ's copy
         return e.phase == "forward" or (self.recompute and not served)
 
+    def regathers_for_backward(self, e: Event) -> bool:
+        """Whether a backward gather is the recomputation's quantized one followed by
+        the backward's at full precision ("forward" with checkpointing, no hpZ copy):
+        the runtime recomputes with the forward's values, then computes the gradients
+        with the backward's, as without checkpointing (module.py's post-forward)."""
+        served = self.policy.node_local_backward and self.world > self.node
+        return (
+            self.policy.quantize_gather == "forward"
+            and self.recompute
+            and not served
+            and e.phase != "forward"
+        )
+
     def quantizes_reduce(self, e: Event) -> bool:
         return self.policy.quantize_reduce and e.group > self.node
 
@@ -181,7 +196,11 @@ class CommModel:
         if e.coll == "all_gather" and g > 1 and self.quantizes_gather(e):
             q = quantized_bytes(e.numel, block)  # one rank's shard, quantized
             inter = max(0, g - ns) * q
-            return [Leg(e.coll, g, (g - 1) * q, (g - 1) * q - inter, inter, g > ns)]
+            legs = [Leg(e.coll, g, (g - 1) * q, (g - 1) * q - inter, inter, g > ns)]
+            if self.regathers_for_backward(e):
+                intra, inter = split(e.nbytes, g, ns)
+                legs.append(Leg(e.coll, g, e.nbytes, intra, inter, g > ns))
+            return legs
         if e.coll == "reduce_scatter" and self.quantizes_reduce(e):
             nodes = g // ns
             part = e.full_numel // ns  # one rank's slice of its node's sum

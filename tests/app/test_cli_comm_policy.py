@@ -39,17 +39,12 @@ def _bad(args: list[str], cwd: Path) -> str:
             ["--nproc", "4", "--hsdp", "2", "--comm-policy", "qgz", "--node-size", "4"],
             "--node-size 4 does not divide the 2 processes each parameter is sharded over",
         ),
-        (
-            ["--comm-policy", "qwz", "--activation-checkpointing", "non-reentrant"],
-            "use --comm-policy qwz-always with --activation-checkpointing",
-        ),
     ],
     ids=[
         "unknown name",
         "node size 0",
         "node size 3 of 2",
         "node size 4 of an hsdp shard of 2",
-        "forward-only quantization with checkpointing",
     ],
 )
 def test_bad_comm_policy_flags(args: list[str], message: str, tmp_path: Path) -> None:
@@ -85,3 +80,19 @@ def test_comm_policy_reaches_fully_shard(tmp_path: Path) -> None:
     assert (config["comm_policy"], config["node_size"]) == ("zeropp", 2)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["timeline"]["collectives"].get("all_to_all", 0) > 0, summary["timeline"]
+
+
+@pytest.mark.timeout(150)
+def test_forward_only_quantization_trains_with_checkpointing(tmp_path: Path) -> None:
+    """qwz with activation checkpointing runs (it was refused): the recomputation gathers
+    the forward's quantized weights (tests/library/test_comm_policy_training.py checks
+    its gradients equal the run without checkpointing)."""
+    run = [
+        *["--nproc", "2", "--node-size", "1", "--comm-policy", "qwz"],
+        *["--activation-checkpointing", "non-reentrant", "--steps", "2", "--eval-every", "2"],
+        *["--batch-size", "4", "--seq-len", "32", "--out", "run"],
+    ]
+    r = shardwise("train", *run, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["comm_policy"] == "qwz" and config["activation_checkpointing"] == "non-reentrant"

@@ -219,6 +219,25 @@ def test_a_recomputation_gathers_quantized_unless_hpzs_node_copy_serves_it() -> 
     assert not CommModel(CommPolicy("forward"), NODE, WORLD).quantizes_gather(recompute)
 
 
+def test_a_recomputation_under_qwz_forward_is_followed_by_a_full_precision_gather() -> None:
+    """As the runtime runs it (module.py's post-forward): the recomputation gathers the
+    forward's quantized values, then the backward gathers at full precision; under
+    "always", or with hpZ's node copy, one gather."""
+    from shardwise_plan.comm import CommModel, CommPolicy
+    from shardwise_plan.tracker import Event
+
+    gather = Event(
+        kind="issue", live=0, phase="backward", module="b", coll="all_gather",
+        numel=1024, full_numel=1024 * WORLD, itemsize=2, group=WORLD, nbytes=1024 * 2 * (WORLD - 1),
+    )  # fmt: skip
+    legs = CommModel(CommPolicy("forward"), NODE, WORLD, recompute=True).legs(gather)
+    assert len(legs) == 2 and legs[0].nbytes < legs[1].nbytes == gather.nbytes
+    assert len(CommModel(CommPolicy("forward"), NODE, WORLD).legs(gather)) == 1
+    assert len(CommModel(CommPolicy("always"), NODE, WORLD, recompute=True).legs(gather)) == 1
+    zeropp = CommPolicy("forward", True, True)
+    assert len(CommModel(zeropp, NODE, WORLD, recompute=True).legs(gather)) == 1
+
+
 def _budget() -> dict[str, Any]:
     from plan_models import comm_bound
     from shardwise_plan import GIB, H200, NothingFits, Policy, fastest_within, parse_comm

@@ -273,17 +273,6 @@ def _check_comm_policy(c: TrainingFlags, world: int, local: int) -> None:
         return
     if c.hf:
         raise UsageError("--comm-policy is for the built-in GPT; --hf runs do not take it yet")
-    if COMM_POLICIES[c.comm_policy].get("quantize_gather") == "forward" and (
-        c.activation_checkpointing != "none"
-        and not COMM_POLICIES[c.comm_policy].get("node_local_backward")
-    ):
-        # The recomputed forward would compute with backward's full-precision gather,
-        # not the quantized weights of the first forward (docs/communication.md).
-        raise UsageError(
-            f"--comm-policy {c.comm_policy} quantizes forward's gathers only, which activation "
-            "checkpointing's recomputation does not reproduce; use --comm-policy qwz-always "
-            "with --activation-checkpointing"
-        )
     shard = world // c.hsdp  # the processes each parameter is split over
     node = local if c.node_size is None else c.node_size
     if shard % node:
