@@ -6,12 +6,10 @@ bytes that cross nodes, each opt-in:
 - ``quantize_gather`` (qwZ): the weight all-gather sends int8 (or fp8) blocks
   with one fp32 scale each (quantize.py) and dequantizes into ``param_dtype``:
   about half a bf16 gather's bytes. ``"forward"``: forward's gathers only,
-  backward's at full precision; ``"always"``: both. With activation
-  checkpointing use ``"always"``: under ``"forward"`` a recomputed forward may
-  compute with backward's full-precision gather (a module prefetched for its
-  backward, or checkpointed inside), so its gradients are of weights slightly
-  unlike the first forward's (``shardwise train`` refuses the pair;
-  tests/library/test_comm_policy_training.py keeps it as a strict xfail).
+  backward's at full precision; ``"always"``: both. A recomputed forward
+  (activation checkpointing around a sharded module) gathers the forward's
+  values, then the backward's (module.py); checkpointing inside a sharded
+  module is refused under ``"forward"`` (docs/communication.md).
 - ``node_local_backward`` (hpZ): after forward each rank keeps the weights
   sharded over its node's ranks only (``reshard_after_forward=node_size``),
   so backward's gathers never leave the node; the price is ``world /
