@@ -26,9 +26,12 @@ Why a helper at all, when ``dcp.save(model.state_dict())`` already works:
   wraps errors in a per-rank ``CheckpointException``. We compare the model with
   the checkpoint's metadata first and raise one ``ValueError`` naming each key
   and both shapes, before anything in the model is touched.
-
-Checkpoints are trusted input: DCP metadata and ``extra`` are pickles, like any
-``torch.load(weights_only=False)`` file.
+- Loading runs no code from the folder. Checkpoints travel, and a pickle can
+  call anything: ``extra`` and the RNG states are saved as plain data that
+  ``torch.load(weights_only=True)`` reads (an ``extra`` it could not is
+  refused at save), and DCP's metadata and non-tensor items are read by
+  unpicklers that admit only what DCP writes (``safe_load.py``). A file that
+  names anything else raises ``UnsafeCheckpoint`` before any tensor is loaded.
 """
 
 from __future__ import annotations
@@ -58,14 +61,25 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import checkpoint_integrity as integrity
-from . import collectives
+from . import collectives, safe_load
 from .checkpoint_integrity import EXTRA_FILE, DamagedCheckpoint, verify
 from .flat_shard import local_of
 from .fsdp_module import FSDPModule
+from .safe_load import UnsafeCheckpoint
 
-__all__ = ["DamagedCheckpoint", "full_state_dict", "load", "load_full_state_dict", "save", "verify"]
+__all__ = [
+    "DamagedCheckpoint",
+    "UnsafeCheckpoint",
+    "full_state_dict",
+    "load",
+    "load_full_state_dict",
+    "save",
+    "verify",
+]
 
-_FORMAT = 2  # 2: with shardwise_checksums.json
+# 2: with shardwise_checksums.json; 3: NumPy's RNG state as a tensor, so that the
+# whole file loads with torch.load(weights_only=True) and nothing else.
+_FORMAT = 3
 
 
 # ---- ranks ------------------------------------------------------------------------------
@@ -148,10 +162,19 @@ def _model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, An
 
 
 def _rng_state() -> dict[str, Any]:
+    """This rank's generators, as plain data: tensors, numbers, tuples and strings only."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (version, 625 ints, float or None)
+        # NumPy's MT19937 key (uint32, which torch.save holds as int64 without loss).
+        "numpy": {
+            "kind": str(kind),
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -161,7 +184,11 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    saved = state["numpy"]
+    if isinstance(saved, dict):  # format 3
+        key = saved["key"].numpy().astype(np.uint32)
+        saved = (saved["kind"], key, saved["pos"], saved["has_gauss"], saved["gauss"])
+    np.random.set_state(saved)  # format 2 and before: get_state()'s own tuple
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -200,6 +227,13 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _begin(path: Path, extra: Any) -> None:
+    """Rank 0, before a save: refuse an ``extra`` that would not load back without
+    pickle's code, then make the folder ready."""
+    safe_load.check_plain(extra)
+    _prepare(path)
 
 
 def _prepare(path: Path) -> None:
@@ -263,20 +297,24 @@ def save(
     """Save a checkpoint to the folder ``path``; call on every rank.
 
     Each rank writes its own shards of the model (and of the optimizer state)
-    with DCP. ``extra`` is any picklable object (step, data position, scheduler
-    state); rank 0's is kept. Each rank's RNG states (torch, CUDA, Python,
-    NumPy) are stored too. Any existing checkpoint at ``path`` is replaced only
-    once the new one is complete. All ranks must see the same filesystem.
+    with DCP. ``extra`` (step, data position, scheduler state) is plain data:
+    dicts, lists, tuples, sets, numbers, strings, bytes, None and plain tensors,
+    what loads without running code; anything else raises ``TypeError``
+    naming where it is, before anything is written. Rank 0's is kept. Each
+    rank's RNG states (torch, CUDA, Python, NumPy) are stored too. Any existing
+    checkpoint at ``path`` is replaced only once the new one is complete. All
+    ranks must see the same filesystem.
 
     ``trainable_only`` saves only the parameters that require grad (LoRA
     adapters over a frozen base the run can load again); load it with
     ``trainable_only=True`` into a model whose frozen part is already loaded.
     """
     path = Path(path)
+    # Rank 0's extra is the one kept: it is checked there, and every rank learns the outcome.
+    _on_rank0("preparing the checkpoint", lambda: _begin(path, extra))
     state: dict[str, Any] = {"model": _model_state(model, trainable_only)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    _on_rank0("preparing the checkpoint folder", lambda: _prepare(path))
     writer = integrity.ChecksummingWriter(_partial(path))
     with _single_process_quiet():
         dcp.save(state, storage_writer=writer, **_no_dist(dcp.save))
@@ -319,10 +357,19 @@ def load(
     ranks share the reading); a damaged one raises ``DamagedCheckpoint``
     naming it, on every rank, and nothing is loaded. Checkpoints saved
     without checksums load unverified.
+
+    Nothing in the folder runs code: the metadata, ``extra`` and DCP's
+    non-tensor items are read by unpicklers that build plain data and DCP's
+    own descriptors only, all of them before any tensor is loaded. A file
+    that names anything else raises ``UnsafeCheckpoint`` (a ``ValueError``)
+    naming the file and what it calls, on every rank, and nothing is loaded.
     """
     path = _resolve(Path(path))
     integrity.verify_shared(path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = safe_load.read_metadata(path / safe_load.METADATA_FILE).state_dict_metadata
+    extra_file = path / EXTRA_FILE
+    # Read before any tensor: what it holds is checked now, not after the model changed.
+    payload = integrity.read_extra(extra_file) if extra_file.is_file() else None
     model_sd = _model_state(model, trainable_only)
     prefix = _layout(metadata, model_sd)
     _check_model(path, metadata, model_sd, prefix)
@@ -336,7 +383,12 @@ def load(
         state["optim"] = get_optimizer_state_dict(model, optimizer)
         _check_optimizer(path, metadata, state["optim"])
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, **_no_dist(dcp.load))
+        dcp.load(
+            state,
+            storage_reader=safe_load.SafeFileSystemReader(str(path)),
+            planner=safe_load.SafeLoadPlanner(),
+            **_no_dist(dcp.load),
+        )
     loaded = state["model"] if prefix else state
     if trainable_only:
         set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
@@ -344,10 +396,8 @@ def load(
         set_model_state_dict(model, loaded)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    extra_file = path / EXTRA_FILE
-    if not extra_file.is_file():
+    if not isinstance(payload, dict):
         return None
-    payload = torch.load(extra_file, weights_only=False)
     rng = payload.get("rng") or []
     if restore_rng and rng:
         _set_rng_state(rng[_rank() % len(rng)])

@@ -6,10 +6,13 @@ trained on from it diverges later, far from the cause). Every save records,
 next to the data, ``shardwise_checksums.json``: each file's length and CRC-32.
 
 Why CRC-32: it catches every burst of flipped bits shorter than 32 and all
-but 1 in 4 billion others, which is what disks and copies do (this is no
-defence against someone forging a checkpoint: checkpoints are trusted input
-anyway). ``zlib.crc32`` runs at a few GB/s, read in large chunks, so the
-checksum is a small part of a save that writes (and fsyncs) the same bytes.
+but 1 in 4 billion others, which is what disks and copies do. It is no seal:
+whoever crafts a checkpoint writes matching sums, or none. What keeps a
+crafted checkpoint from running code is how its files are read
+(``safe_load.py``), and ``verify`` reads every one of them that way, so it
+refuses such a folder (``UnsafeCheckpoint``) before any load touches a model.
+``zlib.crc32`` runs at a few GB/s, read in large chunks, so the checksum is a
+small part of a save that writes (and fsyncs) the same bytes.
 
 ``verify`` also checks what a crash, a full disk or a partial copy leaves
 (unreadable metadata, a missing or short file), which old checkpoints,
@@ -28,11 +31,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
 
-from . import collectives
+from . import collectives, safe_load
+from .safe_load import UnsafeCheckpoint
 
 CHECKSUM_FILE = "shardwise_checksums.json"
 EXTRA_FILE = "shardwise_extra.pt"
@@ -137,10 +140,12 @@ def verify(path: str | os.PathLike[str]) -> None:
     """Check that every file of a checkpoint is present and holds the bytes saved.
 
     Reads every file once: each is compared with the length and CRC-32
-    recorded at save. Then the metadata and ``extra`` must unpickle and each
-    shard file be as long as the metadata says. A checkpoint saved without
-    checksums gets only the second part: bytes damaged in place go unnoticed
-    there. Raises ``DamagedCheckpoint`` naming the file; loads no tensor.
+    recorded at save. Then the metadata, ``extra`` and DCP's non-tensor items
+    must load without running code (``safe_load.py``) and each shard file be
+    as long as the metadata says. A checkpoint saved without checksums gets
+    only the second part: bytes damaged in place go unnoticed there. Raises
+    ``DamagedCheckpoint`` naming the file, or ``UnsafeCheckpoint`` naming the
+    file and the code it would run; loads no tensor and runs nothing.
     """
     path = Path(path)
     sums = read(path)
@@ -152,33 +157,37 @@ def verify(path: str | os.PathLike[str]) -> None:
 def verify_shared(path: Path) -> None:
     """``verify`` for ``load``: each rank reads its share of the files, all learn the outcome."""
     rank, world = collectives.rank(), collectives.world_size()
-    problem: str | None = None
+    problem: tuple[bool, str] | None = None  # (unsafe, message)
     try:
         sums = read(path)
         if sums is not None:
             check(path, sums, sorted(sums)[rank::world])
         _check_structure(path, sums is not None)
-    except DamagedCheckpoint as e:
-        problem = str(e)
+    except (DamagedCheckpoint, UnsafeCheckpoint) as e:
+        problem = (isinstance(e, UnsafeCheckpoint), str(e))
     if world > 1:
         problem = next((p for p in collectives.all_gather_objects(problem) if p), None)
     if problem is not None:
-        raise DamagedCheckpoint(problem)
+        unsafe, message = problem
+        raise (UnsafeCheckpoint if unsafe else DamagedCheckpoint)(message)
 
 
 def _check_structure(path: Path, with_sums: bool) -> None:
     """What a crash, a full disk or a partial copy leaves: unreadable metadata or
-    ``extra``, a missing or short shard file, a lost checksum file."""
+    ``extra``, a missing or short shard file, a lost checksum file; and any file that
+    would run code when loaded (``UnsafeCheckpoint``, raised as it is)."""
     try:
-        storage = dict(dcp.FileSystemReader(str(path)).read_metadata().storage_data)
+        metadata = safe_load.read_metadata(path / safe_load.METADATA_FILE)
+        needed: dict[str, int] = {}
+        for info in dict(metadata.storage_data).values():
+            end = int(info.offset) + int(info.length)
+            needed[str(info.relative_path)] = max(needed.get(str(info.relative_path), 0), end)
+    except UnsafeCheckpoint:
+        raise
     except Exception as e:  # noqa: BLE001 - junk unpickles into any error type
         raise DamagedCheckpoint(
-            f"{path / '.metadata'} is unreadable ({type(e).__name__})"
+            f"{path / safe_load.METADATA_FILE} is unreadable ({type(e).__name__})"
         ) from None
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     for name, size in sorted(needed.items()):
         try:
             have = (path / name).stat().st_size
@@ -186,14 +195,30 @@ def _check_structure(path: Path, with_sums: bool) -> None:
             raise DamagedCheckpoint(f"{path / name} is missing") from None
         if have < size:
             raise DamagedCheckpoint(f"{path / name} is truncated ({have} of {size} bytes)")
+    try:
+        safe_load.check_bytes_items(path, metadata)
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise DamagedCheckpoint(
+            f"a non-tensor item of {path} is unreadable ({type(e).__name__})"
+        ) from None
     extra = path / EXTRA_FILE
     if extra.exists():
-        try:
-            payload = torch.load(extra, weights_only=False)
-        except Exception as e:  # noqa: BLE001
-            raise DamagedCheckpoint(f"{extra} is unreadable ({type(e).__name__})") from None
+        payload = read_extra(extra)
         saved_with_sums = isinstance(payload, dict) and payload.get("format", 1) >= 2
         if saved_with_sums and not with_sums:
             raise DamagedCheckpoint(
                 f"{path / CHECKSUM_FILE} is missing (the checkpoint was saved with it)"
             )
+
+
+def read_extra(file: Path) -> Any:
+    """``shardwise_extra.pt``, read without running code; ``DamagedCheckpoint`` if it is junk,
+    ``UnsafeCheckpoint`` if it would run code."""
+    try:
+        return safe_load.read_extra(file)
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise DamagedCheckpoint(f"{file} is unreadable ({type(e).__name__})") from None

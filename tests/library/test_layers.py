@@ -117,6 +117,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("node_collectives",),
     ("precision", "tensor_parallel", "collectives", "offload", "comm_policy"),
     ("containers", "labels", "quantize", "placement"),
+    ("safe_load",),  # reading checkpoint files without running code (torch only)
     ("quantize_gpu",),  # quantize.py's int8 pack and unpack fused on CUDA (Triton, lazily)
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -7,7 +7,12 @@ Three rules keep what a user has safe:
   naming the pid that holds it.
 - Verify before use. A checkpoint is checked (``checkpoint.verify``) before
   it is chosen; a damaged latest one is skipped for the previous complete one,
-  and the skip is said out loud.
+  and the skip is said out loud. One that would run code when loaded
+  (``UnsafeCheckpoint``: someone crafted it) is refused, never passed over:
+  the folder it is in is not the run it claims to be.
+- Read without running code. ``verify`` reads every file of the checkpoint as
+  ``checkpoint.load`` will (``shardwise/safe_load.py``), and the run's
+  ``config.json`` is JSON, which builds no objects.
 - Change nothing until the resume has loaded. ``config.json`` and
   ``metrics.jsonl`` are rewritten by rank 0 only once every rank holds the
   checkpoint's state (``commit``), so a failed or interrupted start leaves
@@ -48,9 +53,10 @@ def find_checkpoint(path: str, flag: str) -> tuple[Path, RunConfig]:
 
     Run folders hold ``config.json`` and ``checkpoints/step_NNNNNN``. A
     damaged checkpoint given by name is refused; in a run folder, each
-    damaged one newer than the one chosen is named on stderr.
+    damaged one newer than the one chosen is named on stderr. A checkpoint
+    that would run code when loaded is refused in both, before anything loads.
     """
-    from shardwise.checkpoint import DamagedCheckpoint, verify
+    from shardwise.checkpoint import DamagedCheckpoint, UnsafeCheckpoint, verify
 
     p = Path(path)
     if p.exists() and not p.is_dir():
@@ -62,6 +68,8 @@ def find_checkpoint(path: str, flag: str) -> tuple[Path, RunConfig]:
             verify(p)
         except DamagedCheckpoint as e:
             raise UsageError(f"{flag} {path}: the checkpoint is damaged: {e}") from None
+        except UnsafeCheckpoint as e:
+            raise UsageError(f"{flag} {path}: {e}") from None
         ckpt, run = p, p.parent.parent
     else:
         steps = sorted(
@@ -82,6 +90,8 @@ def find_checkpoint(path: str, flag: str) -> tuple[Path, RunConfig]:
                 break
             except DamagedCheckpoint as e:
                 damaged.append(str(e))
+            except UnsafeCheckpoint as e:
+                raise UsageError(f"{flag} {path}: {e}") from None
         else:
             raise UsageError(
                 f"{flag} {path}: every checkpoint is damaged; the latest: {damaged[0]}"
