@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwise import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from .optimizers import build_optimizer
+from .optimizers import MUON, build_optimizer, with_adamw
 from .policy import Policy
 
 
@@ -104,5 +104,12 @@ def make_optimizer(
     model: nn.Module, device: str, offload: bool = False, optimizer: str = "adamw"
 ) -> torch.optim.Optimizer:
     """The optimizer named (optimizers.py) over ``model``'s parameters, as a training
-    run on ``device`` makes it (offloaded parameters step on the host)."""
+    run on ``device`` makes it (offloaded parameters step on the host). Muon steps the
+    blocks' matrices, AdamW the rest (embeddings, head, norms), as a training run splits."""
+    if optimizer in MUON:
+        blocks = {id(p) for p in find_blocks(model).parameters() if p.ndim == 2}
+        params = list(model.parameters())
+        matrices = [p for p in params if id(p) in blocks]
+        rest = [p for p in params if id(p) not in blocks]
+        return with_adamw(matrices, rest, optimizer, device, offload)
     return build_optimizer(model.parameters(), optimizer, device, offload)

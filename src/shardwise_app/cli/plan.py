@@ -23,7 +23,8 @@ from .plan_args import DefaultsFormatter, OneLineParser, check_output, parse_raf
 
 HF_PREFIX = "hf:"
 HARDWARE_NAMES = ("h100", "h200", "b200", "cpu")  # shardwise_plan.HARDWARE
-OPTIMIZER_NAMES = ("adamw", "adamw-foreach", "adamw-fused", "sgd")  # shardwise_plan.OPTIMIZERS
+# shardwise_plan.OPTIMIZERS
+OPTIMIZER_NAMES = ("adamw", "adamw-foreach", "adamw-fused", "sgd", "muon", "muon-torch")
 BUDGET_POLICIES = 16  # shardwise_plan.candidate_policies: 2 x 2 x 2 x 2
 # With the communication policies: x 5, less hpZ with nothing resharded (2 x 8).
 BUDGET_COMM_POLICIES = 64
@@ -65,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument(
         "--optimizer", choices=OPTIMIZER_NAMES, default="adamw",
         help="the optimizer stepped (adamw is torch's own pick: foreach on a GPU, the "
-        "for-loop on the host)",
+        "for-loop on the host; muon: shardwise.optim.Muon on the blocks' matrices, AdamW on "
+        "the rest; muon-torch: torch.optim.Muon there)",
     )  # fmt: skip
     how = p.add_argument_group("the policy")
     how.add_argument("--mp", choices=("none", "bf16"), default="none", help="mixed precision")

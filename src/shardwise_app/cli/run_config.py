@@ -69,6 +69,9 @@ class TrainingFlags:
     # Written to config.json only when set, so that older runs' files read as they were.
     comm_policy: str = "none"
     node_size: int | None = None  # processes per node: this launch's --nproc
+    # "muon": shardwise.optim.Muon for the blocks' matrices, AdamW for the rest
+    # (docs/optimizers.md). Written to config.json only when not AdamW, as comm_policy.
+    optimizer: str = "adamw"
 
     @classmethod
     def names(cls) -> list[str]:
@@ -108,6 +111,8 @@ class RunConfig(TrainingFlags):
             del d["hf_weights"]
         if d["comm_policy"] == "none" and d["node_size"] is None:
             del d["comm_policy"], d["node_size"]
+        if d["optimizer"] == "adamw":
+            del d["optimizer"]
         return d
 
     @classmethod

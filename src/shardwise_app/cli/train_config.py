@@ -29,6 +29,7 @@ _STEP = re.compile(r"step_(\d+)")  # a checkpoint folder's name
 # Smaller models take larger steps; 2e-3 makes the 1B model spike early on.
 PEAK_LR = {"tiny": 2e-3, "small": 1e-3, "base": 6e-4, "medium": 3e-4, "large": 1.5e-4}
 _D = TrainingFlags()
+OPTIMIZERS = ["adamw", "muon"]
 # The numeric flags, by argparse group: (flag, type, help). Their defaults are
 # TrainingFlags' (None here: with --resume, "not given" takes the resumed run's).
 _NUMBERS: dict[str, list[tuple[str, type, str]]] = {
@@ -43,7 +44,8 @@ _NUMBERS: dict[str, list[tuple[str, type, str]]] = {
         (
             "--lr",
             float,
-            "peak learning rate of AdamW (default: tiny 2e-3, small 1e-3, base 6e-4, "
+            "peak learning rate of AdamW, and of Muon's updates scaled to AdamW's size "
+            "(default: tiny 2e-3, small 1e-3, base 6e-4, "
             "medium 3e-4, large 1.5e-4)",
         ),
         ("--warmup", int, "linear warmup steps (default: steps/10, at most 100)"),
@@ -106,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="processes per node for --comm-policy (default: --nproc, the processes here)",
+    )
+    t.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="adamw, or muon: shardwise.optim.Muon for the blocks' matrices (each "
+        "orthogonalized by one process), AdamW for embeddings, norms and biases "
+        "(default: adamw; docs/optimizers.md)",
     )
     t.add_argument("--seed", type=int, help="seed of the initial weights and the data order")
     t.add_argument(
@@ -185,6 +194,8 @@ def resolve(args: argparse.Namespace, world: int, local: int | None = None) -> R
         c.warmup = min(100, c.steps // 10)
     _check_numbers(c, world)
     _check_comm_policy(c, world, world if local is None else local)
+    if c.optimizer == "muon" and c.hf:
+        raise UsageError("--optimizer muon is for the built-in GPT; --hf runs do not take it yet")
     if ckpt_step >= c.steps:
         raise UsageError(_nothing_left(args.resume, ckpt_step, c.steps, "steps" in given))
     try:  # (tokenized under the run's lock: cli/corpus.py)

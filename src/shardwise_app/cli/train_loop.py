@@ -2,7 +2,7 @@
 
 Reads top to bottom: ``run_worker`` strings the parts together; ``set_up``
 builds what a run needs (the run's config, the sharded model, the data,
-AdamW, the resumed state); ``train_step`` is one optimizer step, on one
+AdamW (and Muon with ``--optimizer muon``), the resumed state); ``train_step`` is one optimizer step, on one
 screen, as nanoGPT writes it; ``evaluate`` and ``save`` are the validation
 loss and a checkpoint; ``train_loop`` runs the steps and reports each;
 ``finish`` saves and exports the end.
@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise import checkpoint, clip_grad_norm_, trace
+from shardwise.optim import Muon
 
 from ..data import BatchSampler, eval_offsets, windows
 from ..models.gpt import num_params
@@ -67,11 +68,22 @@ class Run:
     corpus: Any  # the memory-mapped token file
     sampler: BatchSampler
     val_offsets: torch.Tensor  # this rank's validation windows
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer  # AdamW: every parameter, or with Muon the rest
     n_trained: int  # parameters that train (with LoRA: the adapters')
     step: int  # the last step taken (the resumed checkpoint's, before the first)
     last_good: Path | None  # the newest checkpoint of this run known complete
     saved_at: int = -1  # the step of this launch's newest save
+    muon: torch.optim.Optimizer | None = None  # --optimizer muon: the blocks' matrices
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer] if self.muon is None else [self.muon, self.optimizer]
+
+    @property
+    def state_of(self) -> Any:
+        """What checkpoints save and load: AdamW, or both optimizers (DCP's state dict
+        takes a list and keys each parameter's state by its name, as for one)."""
+        return self.optimizer if self.muon is None else self.optimizers
 
     @property
     def out(self) -> Path:
@@ -158,26 +170,51 @@ def set_up(cfg: RunConfig, w: Worker) -> Run:
     # AdamW, nanoGPT's recipe: no weight decay on gains and biases. With LoRA
     # only the adapters train, and only they (and their moments) are saved.
     params = [p for p in model.parameters() if p.requires_grad]
+    matrices = muon_matrices(model) if cfg.optimizer == "muon" else []
+    rest = [p for p in params if all(p is not m for m in matrices)]
     optimizer = torch.optim.AdamW(
         [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
         ],
         lr=cfg.lr,
         betas=(0.9, 0.95),
         eps=1e-8,
     )
+    # Muon with Moonshot's scaling ("match_rms_adamw"): its updates have AdamW's size,
+    # so it takes AdamW's learning rate, schedule and weight decay.
+    muon = (
+        Muon(matrices, lr=cfg.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        if matrices
+        else None
+    )
 
     step = 0
+    run = Run(cfg, w, model, forward, hf, corpus, sampler, val, optimizer, 0, 0, None, muon=muon)
     if cfg.resume:
         # Also puts back each rank's RNG states (torch, CUDA, Python, NumPy).
-        extra = checkpoint.load(cfg.resume, model, optimizer, trainable_only=bool(cfg.lora))
+        extra = checkpoint.load(cfg.resume, model, run.state_of, trainable_only=bool(cfg.lora))
         step = int((extra or {}).get("step", cfg.resume_step))
-    last_good = Path(cfg.resume) if cfg.resume else None
-    n_trained = sum(p.numel() for p in params)
-    return Run(
-        cfg, w, model, forward, hf, corpus, sampler, val, optimizer, n_trained, step, last_good
-    )
+    run.last_good = Path(cfg.resume) if cfg.resume else None
+    run.n_trained = sum(p.numel() for p in params)
+    run.step = step
+    return run
+
+
+def muon_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters Muon steps: the weights of the blocks' linear layers. Embeddings,
+    the output head (tied to the embedding here), norms and biases stay with AdamW,
+    as torch's Muon documentation splits them."""
+    skip = {
+        id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()
+    }
+    found: dict[int, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
+            w = m.weight
+            if w.requires_grad and w.dim() == 2 and id(w) not in skip:
+                found.setdefault(id(w), w)
+    return list(found.values())
 
 
 # ---- one step, the validation loss, a checkpoint --------------------------------------------
@@ -188,9 +225,10 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, float]:
 
     Returns this rank's mean loss (a tensor, not yet shared) and the gradient norm.
     """
-    cfg, model, optimizer = run.cfg, run.model, run.optimizer
-    for group in optimizer.param_groups:
-        group["lr"] = cfg.lr_at(step)
+    cfg, model = run.cfg, run.model
+    for optimizer in run.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr_at(step)
     micro_steps = cfg.grad_accum
     loss_sum = torch.zeros((), device=run.w.device)
     for k in range(micro_steps):
@@ -205,8 +243,9 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, float]:
     # would write nan into every weight.
     if not math.isfinite(grad_norm):
         raise diverged("gradient norm", grad_norm, step, run.last_good)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for optimizer in run.optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss_sum / micro_steps, grad_norm
 
 
@@ -246,7 +285,7 @@ def save(run: Run, at: int) -> Path:
         "data": {"seed": cfg.seed, "next_step": at + 1, "corpus_sha256": run.corpus.sha256},
     }
     try:
-        checkpoint.save(path, run.model, run.optimizer, extra=extra, trainable_only=bool(cfg.lora))
+        checkpoint.save(path, run.model, run.state_of, extra=extra, trainable_only=bool(cfg.lora))
     except BaseException as e:
         if passes_through(e) or peer_lost(e) or peer_timeout(e):
             raise
