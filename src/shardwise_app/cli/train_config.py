@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--optimizer",
-        choices=OPTIMIZERS,
+        metavar="NAME",
         help="adamw, or muon: shardwise.optim.Muon for the blocks' matrices (each "
         "orthogonalized by one process), AdamW for embeddings, norms and biases "
         "(default: adamw; docs/optimizers.md)",
@@ -182,7 +182,14 @@ def resolve(args: argparse.Namespace, world: int, local: int | None = None) -> R
                     f"with seq_len {resumed.seq_len}; --{k.replace('_', '-')} {given[k]} "
                     "does not match it"
                 )
+        if "optimizer" in given and given["optimizer"] != resumed.optimizer:
+            raise UsageError(
+                f"--resume {args.resume}: the run trained with --optimizer {resumed.optimizer}, "
+                f"whose state the checkpoint holds; --optimizer {given['optimizer']} cannot "
+                "continue it"
+            )
     c = replace(resumed.flags() if resumed else TrainingFlags(), **given)
+    _check_optimizer(c)
     fine_tune = finetune.resolve(c, given, resumed, args.resume)
     if fine_tune is None:
         model_config, hf_weights = _gpt_shape(c, resumed, args.resume), None
@@ -194,8 +201,6 @@ def resolve(args: argparse.Namespace, world: int, local: int | None = None) -> R
         c.warmup = min(100, c.steps // 10)
     _check_numbers(c, world)
     _check_comm_policy(c, world, world if local is None else local)
-    if c.optimizer == "muon" and c.hf:
-        raise UsageError("--optimizer muon is for the built-in GPT; --hf runs do not take it yet")
     if ckpt_step >= c.steps:
         raise UsageError(_nothing_left(args.resume, ckpt_step, c.steps, "steps" in given))
     try:  # (tokenized under the run's lock: cli/corpus.py)
@@ -269,6 +274,13 @@ def _check_numbers(c: TrainingFlags, world: int) -> None:
             f"--batch-size {c.batch_size} is not divisible by {world} processes "
             f"x --grad-accum {c.grad_accum}"
         )
+
+
+def _check_optimizer(c: TrainingFlags) -> None:
+    if c.optimizer not in OPTIMIZERS:
+        raise UsageError(f"--optimizer {c.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    if c.optimizer == "muon" and c.hf:
+        raise UsageError("--optimizer muon is for the built-in GPT; --hf runs do not take it yet")
 
 
 def _check_comm_policy(c: TrainingFlags, world: int, local: int) -> None:
