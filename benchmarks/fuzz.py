@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "library")]
 
-from fuzz_pool import OUTCOMES, Outcome, Pool, run_in, shrink  # noqa: E402
+from fuzz_pool import OUTCOMES, Outcome, Pool, contains, run_in, shrink  # noqa: E402
 from fuzz_runtime import Config, generate  # noqa: E402
 
 FINDINGS = ("diverged-shardwise-only", "diverged-shared-with-fsdp2", "crashed")
@@ -87,11 +87,6 @@ def distinct(n: int, seed: int, family: str) -> list[tuple[int, Config]]:
             out.append((s, cfg))
         s += 1
     return out
-
-
-def contains(cfg: Config, small: Config) -> bool:
-    """Whether ``cfg`` has every feature that ``small`` changes from the defaults."""
-    return all(getattr(cfg, k) == v for k, v in small.changed().items())
 
 
 def _finding_md(i: int, seed: int, drawn: Outcome, small: Outcome, also: int) -> str:

@@ -35,6 +35,7 @@ from fuzz_runtime import Config
 
 WORLD = 4
 DEADLINE = 120.0  # seconds a composition may take, every rank; past it the workers are relaunched
+STARTUP = 600.0  # seconds a fresh set of workers may take to import and connect
 OUTCOMES = ("ok", "refused", "diverged-shardwise-only", "diverged-shared-with-fsdp2", "crashed")
 
 
@@ -44,12 +45,12 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:
     warnings.simplefilter("ignore")
     import logging
 
-    logging.getLogger("torch.distributed").setLevel(
-        logging.ERROR
-    )  # FSDP2's reshard_after_forward=1 note
-    import sys
-
-    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - FSDP2's asserts print stacks; results carry errors
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # FSDP2's raf=1 note
+    # FSDP2's asserts print stacks and pipelining logs whole schedules on every error, from
+    # C++ and from handlers made at import: the results carry the errors, so the
+    # workers' stderr goes to a file, not the fuzzer's output.
+    err = os.open("/tmp/fuzz_workers_stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(err, 2)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Groups made without a timeout (shardwise's node and post-forward groups, DeviceMesh's)
@@ -60,6 +61,9 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:
     store = dist.TCPStore(
         "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60)
     )
+    import fuzz_pipe  # noqa: F401 - imported before the first deadline starts
+
+    outbox.put((0, rank, "ready"))  # index 0: no composition's
     while True:
         job = inbox.get()
         if job is None:
@@ -118,6 +122,19 @@ class Pool:
         ]
         for p in self.procs:
             p.start()
+        # The deadline is a composition's: wait until every worker has imported
+        # (seconds each on a busy machine) before the first one starts its clock.
+        ready: set[int] = set()
+        end = time.monotonic() + STARTUP
+        while len(ready) < WORLD and time.monotonic() < end:
+            try:
+                index, rank, what = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                if any(not p.is_alive() for p in self.procs):
+                    raise RuntimeError("a fuzz worker died while starting") from None
+                continue
+            if index == 0 and what == "ready":
+                ready.add(rank)
 
     def _kill(self) -> None:
         for p in self.procs:
@@ -194,7 +211,9 @@ def classify(cfg: Config, results: list[dict[str, Any]]) -> Outcome:
         first = next(r for r in results if r["status"] == "diverged")
         statuses = ["diverged"] * len(results)
     if "crashed" in statuses or len(set(statuses)) > 1:
-        bad = next((r for r in results if r["status"] == "crashed"), first)
+        crashed = [r for r in results if r["status"] == "crashed"] or [first]
+        # A rank that failed leaves its peers timing out in a collective: its error is the one.
+        bad = next((r for r in crashed if "timed out" not in r["detail"].lower()), crashed[0])
         detail = bad["detail"]
         if len(set(statuses)) > 1:
             detail = f"ranks disagree ({statuses}): {detail}"
@@ -218,6 +237,11 @@ def run_one(cfg: Config, fsdp2: bool = True) -> str:
         return run_in(pool, cfg, "always" if fsdp2 else "never").line()
     finally:
         pool.close()
+
+
+def contains(cfg: Config, small: Config) -> bool:
+    """Whether ``cfg`` has every feature that ``small`` changes from the defaults."""
+    return all(getattr(cfg, k) == v for k, v in small.changed().items())
 
 
 def _simpler(cfg: Config) -> list[Config]:
