@@ -145,8 +145,12 @@ def main(argv: list[str] | None = None) -> int:
                     known["also"] += 1
                 else:
                     small = out if args.no_shrink else shrink(pool, out, args.fsdp2)
-                    found.append({"seed": seed, "drawn": out, "small": small, "also": 0})
-                    print(f"[{n}/{len(todo)}] NEW {small.line()}", flush=True)
+                    same = next((f for f in found if f["small"].cfg == small.cfg), None)
+                    if same is not None:  # shrunk to a reproducer already listed
+                        same["also"] += 1
+                    else:
+                        found.append({"seed": seed, "drawn": out, "small": small, "also": 0})
+                        print(f"[{n}/{len(todo)}] NEW {small.line()}", flush=True)
                 if args.report:
                     write_report(args, found, counts, n, time.monotonic() - t0)
             if n % 25 == 0 or n == len(todo):

@@ -239,9 +239,18 @@ def run_one(cfg: Config, fsdp2: bool = True) -> str:
         pool.close()
 
 
+SIZES = ("world", "blocks", "accum", "steps", "stages_per_rank")  # "at least", when matching
+
+
 def contains(cfg: Config, small: Config) -> bool:
-    """Whether ``cfg`` has every feature that ``small`` changes from the defaults."""
-    return all(getattr(cfg, k) == v for k, v in small.changed().items())
+    """Whether ``cfg`` has every feature that ``small`` changes from the defaults, and is
+    at least as large (a shrunk reproducer has fewer blocks, steps, ... than those it
+    explains)."""
+    for k, v in small.changed().items():
+        have = getattr(cfg, k)
+        if not (have >= v if k in SIZES else have == v):
+            return False
+    return True
 
 
 def _simpler(cfg: Config) -> list[Config]:
