@@ -189,6 +189,10 @@ def _check_structure(path: Path, with_sums: bool) -> None:
             f"{path / safe_load.METADATA_FILE} is unreadable ({type(e).__name__})"
         ) from None
     for name, size in sorted(needed.items()):
+        if Path(name).name != name or name in (".", ".."):  # DCP writes plain file names
+            raise DamagedCheckpoint(
+                f"{path / safe_load.METADATA_FILE} names a data file outside the folder: {name!r}"
+            )
         try:
             have = (path / name).stat().st_size
         except OSError:

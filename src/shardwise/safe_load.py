@@ -185,9 +185,10 @@ def check_bytes_items(folder: Path, metadata: Metadata) -> None:
 def load_torch(
     source: str | Path | IO[bytes], what: str, also: Iterable[tuple[Any, str]] = ()
 ) -> Any:
-    """``torch.load(source, weights_only=True)``, with ``also`` (object, "module.name")
-    admitted besides torch's own list; a file it refuses for naming a callable raises
-    ``UnsafeCheckpoint`` naming it. Other failures (junk) raise as torch raised them."""
+    """``torch.load(source, weights_only=True)``, with the pairs ``also`` (object,
+    "module.name") admitted besides torch's own list; a file it refuses for naming a
+    callable raises ``UnsafeCheckpoint`` naming it. Other failures (junk) raise as torch
+    raised them."""
     if isinstance(source, (str, Path)):
         with open(source, "rb") as f:
             data = io.BytesIO(f.read())

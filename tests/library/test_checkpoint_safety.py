@@ -381,3 +381,19 @@ def test_what_the_metadata_reader_admits(tmp_path: Path) -> None:
     (folder / SUMS).unlink()
     with pytest.raises(DamagedCheckpoint, match=r"\.metadata is unreadable \(UnpicklingError\)$"):
         checkpoint.verify(folder)
+
+
+def test_metadata_naming_a_file_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    """DCP writes plain file names; one that leads out of the folder is never opened."""
+    import dataclasses
+
+    folder = tmp_path / "ck"
+    checkpoint.save(folder, _net())
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    index, info = next(iter(metadata.storage_data.items()))
+    metadata.storage_data[index] = dataclasses.replace(info, relative_path="../elsewhere")
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rewrite_sums(folder)
+    with pytest.raises(DamagedCheckpoint, match="names a data file outside the folder: '../"):
+        checkpoint.load(folder, _net())
