@@ -99,10 +99,14 @@ class _OptimizerSteps:
 
 @dataclass(frozen=True)
 class Attachment:
-    """One forward's ``_Unsharded`` outputs (``tensors``) for the parameters ``params``."""
+    """One forward's ``_Unsharded`` outputs (``tensors``) for the parameters ``params``:
+    views of ``sources`` (the parameters' unsharded storage then), made from the shards
+    at ``version`` (``ParamGroup._shards_version``)."""
 
     params: list[ShardedParam]
     tensors: tuple[torch.Tensor, ...]
+    sources: tuple[torch.Tensor, ...] = ()
+    version: tuple[int, int] = (-1, -1)
 
 
 def will_run(node: Any) -> bool:
@@ -348,6 +352,7 @@ class ParamGroup:
         self._gathered_version = self._shards_version()  # what this gather read
         for sp in self.params:
             sp.install(sp.plain)
+        self.reinstall_kept()
 
     @property
     def trainable(self) -> list[ShardedParam]:
@@ -385,7 +390,8 @@ class ParamGroup:
             out = tuple(t.view_as(t) for t in out)
             if self.has_tp:
                 out = tuple(t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(trainable, out))
-            self.attachment = Attachment(trainable, out)
+            sources = tuple(sp.unsharded for sp in trainable)
+            self.attachment = Attachment(trainable, out, sources, self._shards_version())
         self.install(self.attachment)
 
     @staticmethod
@@ -421,12 +427,25 @@ class ParamGroup:
         Gathered anew, or with other parameters trainable now (frozen or unfrozen
         since), a forward makes a new attachment."""
         att = self.attachment
-        if att is None or self.state is not GroupState.UNSHARDED or self.stale():
+        if att is None or self.state is not GroupState.UNSHARDED:
             return False
+        if att.version != self._shards_version():
+            return False  # an optimizer step since (also one while resharded in between)
         trainable = self.trainable
-        return len(trainable) == len(att.params) and all(
-            a is b for a, b in zip(att.params, trainable)
+        return (
+            len(trainable) == len(att.params)
+            and all(a is b for a, b in zip(att.params, trainable))
+            # (A rebuilt layout has new unsharded storage: the views are of the old.)
+            and all(src is sp.unsharded for src, sp in zip(att.sources, trainable))
         )
+
+    def reinstall_kept(self) -> None:
+        """Gathered again with an attachment still kept: install it, not the plain
+        tensors. Pipelining's runtime reshards and regathers a stage between
+        microbatches; its weight pass finds their gradient nodes through
+        ``parameters()`` (pipeline.py)."""
+        if self.attachment is not None and self.keeps_attachment():
+            self.install(self.attachment)
 
     def take_tensor_grads(self) -> None:
         """Add the gradients written to the tracked parameters' ``.grad`` (pipeline
