@@ -28,13 +28,15 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:  # imported in main, after the arguments are checked (torch takes seconds)
+    from fuzz_runtime import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "library")]
 
-from fuzz_pool import OUTCOMES, Outcome, Pool, contains, run_in, shrink  # noqa: E402
-from fuzz_runtime import Config, generate  # noqa: E402
+OUTCOMES = ("ok", "refused", "diverged-shardwise-only", "diverged-shared-with-fsdp2", "crashed")
 
 FINDINGS = ("diverged-shardwise-only", "diverged-shared-with-fsdp2", "crashed")
 
@@ -75,6 +77,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def distinct(n: int, seed: int, family: str) -> list[tuple[int, Config]]:
+    from fuzz_runtime import generate
+
     """The first ``n`` distinct compositions from seeds ``seed``, ``seed + 1``, ...
     (of ``family`` only, unless "all")."""
     seen: set[Config] = set()
@@ -89,7 +93,7 @@ def distinct(n: int, seed: int, family: str) -> list[tuple[int, Config]]:
     return out
 
 
-def _finding_md(i: int, seed: int, drawn: Outcome, small: Outcome, also: int) -> str:
+def _finding_md(i: int, seed: int, drawn: Any, small: Any, also: int) -> str:
     return (
         f"### {i}. {small.kind}: {small.cfg.describe()}\n\n"
         f"- first drawn at seed {seed}: `{drawn.cfg.describe()}`\n"
@@ -102,10 +106,13 @@ def _finding_md(i: int, seed: int, drawn: Outcome, small: Outcome, also: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    from fuzz_pool import Pool, run_in, shrink
+    from fuzz_pool import contains as explained_by
+
     todo = distinct(args.configs, args.seed, args.family)
     counts: Counter[str] = Counter()
     found: list[dict[str, Any]] = []  # per reproducer: seed, drawn, small, also
-    fsdp2_only: list[Outcome] = []
+    fsdp2_only: list[Any] = []
     refusals: Counter[str] = Counter()
     t0 = time.monotonic()
     pool = Pool()
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     (
                         f
                         for f in found
-                        if f["small"].kind == out.kind and contains(cfg, f["small"].cfg)
+                        if f["small"].kind == out.kind and explained_by(cfg, f["small"].cfg)
                     ),
                     None,
                 )
@@ -168,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  (worker relaunches: {pool.relaunches}; ok under shardwise but diverged under FSDP2: {len(fsdp2_only)})"
     )
-    for reason, k in refusals.most_common(8):
-        print(f"  refused x{k}: {reason}")
+    for reason, times in refusals.most_common(8):
+        print(f"  refused x{times}: {reason}")
     for i, f in enumerate(found, 1):
         print(
             f"\n--- finding {i} ({f['also'] + 1} compositions): {f['small'].line()}\n{f['small'].cfg.to_code()}"

@@ -130,16 +130,17 @@ def test_refusal_is_recorded(pool: Pool) -> None:
     assert "optimizer_in_backward" in out.detail
 
 
-def test_a_hang_costs_one_composition() -> None:
-    p = Pool(deadline=15)
+def test_a_hang_costs_one_composition(pool: Pool) -> None:
+    deadline, pool.deadline = pool.deadline, 15
     try:
-        hung = run_in(p, Config(control="hang"))
+        before = pool.relaunches
+        hung = run_in(pool, Config(control="hang"))
         assert hung.kind == "crashed" and "hang" in hung.detail, hung.line()
-        assert p.relaunches == 1
-        after = run_in(p, Config(tied=True))
+        assert pool.relaunches == before + 1
+        after = run_in(pool, Config(tied=True))
         assert after.kind == "ok", after.line()
     finally:
-        p.close()
+        pool.deadline = deadline
 
 
 def test_reproducer_script_runs(tmp_path: Path) -> None:
