@@ -12,8 +12,9 @@ from . import observe
 from .api import fully_shard, hsdp_mesh, no_sync
 from .clip import clip_grad_norm_
 from .comm_policy import CommPolicy
-from .context import FSDPContext, LifecycleError, Phase
+from .context import FSDPContext, Phase
 from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .lifecycle import LifecycleError, Stage
 from .materialize import materialize
 from .offload import CPUOffloadPolicy, OffloadPolicy
 from .optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
@@ -32,6 +33,7 @@ __all__ = [
     "OffloadPolicy",
     "OptimizerInBackward",
     "Phase",
+    "Stage",
     "ShardPlacementResult",
     "Tracer",
     "UnshardHandle",

@@ -15,8 +15,8 @@ change nothing.
 
 from __future__ import annotations
 
-from .context import FSDPContext, LifecycleError, ModuleLifecycle, Phase
-from .param_group import GroupState
+from .context import FSDPContext, ModuleLifecycle, Phase
+from .lifecycle import GroupState, LifecycleError
 
 
 def _fail(ctx: FSDPContext, s: ModuleLifecycle, what: str) -> LifecycleError:
@@ -25,7 +25,7 @@ def _fail(ctx: FSDPContext, s: ModuleLifecycle, what: str) -> LifecycleError:
     return LifecycleError(
         f"module {s.label!r} {what}\n"
         f"parameters: {params}\n"
-        f"module phase: {s.phase.name}, context phase: {ctx.phase.name}\n"
+        f"module stage: {s.stage.name}, context phase: {ctx.phase.name}\n"
         f"last lifecycle events:\n  {events}"
     )
 

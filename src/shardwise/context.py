@@ -12,7 +12,7 @@ anything still gathered and finishes every gradient reduction in flight.
 What lives here is state and its own transitions: the root's (``FSDPContext``:
 its phase, the recorded orders, the reductions and downloads in flight,
 optimizer_in_backward's record of this backward) and each module's
-(``ModuleLifecycle``: its phase, written only through ``ALLOWED``). What walks
+(``ModuleLifecycle``: its stage, written only through lifecycle.py's table). What walks
 the modules at the root's boundaries (a forward's start and end, the end of a
 backward, a backward that raised, a reset) is root.py, above this file; the
 hooks that drive one module (module.py) are above that. Nothing here calls up
@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from . import offload
+from .lifecycle import Event, Stage, next_stage
 from .mesh_part import Reduction
 from .param_group import ParamGroup
 from .settings import GroupSettings
@@ -41,26 +42,23 @@ from .trace import active as active_trace
 
 
 class Phase(Enum):
-    """What a module (or the root context) is doing."""
+    """What a module (or the root context) is doing, coarsely: a module's ``Stage``
+    (lifecycle.py) says exactly."""
 
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
 
 
-# Allowed module phase transitions. FORWARD -> BACKWARD never happens directly:
-# a module's forward ends (IDLE) before its backward starts. A recomputed
-# forward inside backward keeps the module in BACKWARD (BACKWARD -> BACKWARD).
-ALLOWED = frozenset(
-    {
-        (Phase.IDLE, Phase.FORWARD),
-        (Phase.FORWARD, Phase.IDLE),
-        (Phase.IDLE, Phase.BACKWARD),
-        (Phase.BACKWARD, Phase.BACKWARD),
-        (Phase.BACKWARD, Phase.IDLE),
-        (Phase.IDLE, Phase.IDLE),
-    }
-)
+_PHASE_OF = {
+    Stage.IDLE: Phase.IDLE,
+    Stage.FORWARD: Phase.FORWARD,
+    Stage.AFTER_FORWARD: Phase.IDLE,
+    Stage.BACKWARD: Phase.BACKWARD,
+    Stage.HELD: Phase.BACKWARD,
+    Stage.REDUCED: Phase.IDLE,
+    Stage.STEPPED: Phase.IDLE,
+}
 
 
 @dataclass
@@ -71,10 +69,6 @@ class RootSettings:
 
     is_last_backward: bool = True  # False: this backward's reductions may stay in flight
     post_optim_event: Any = None  # waited on once, before the next forward's gathers
-
-
-class LifecycleError(RuntimeError):
-    """A module broke the unshard/reshard lifecycle; the message says where and how."""
 
 
 class Ordered(Protocol):
@@ -151,7 +145,7 @@ class ModuleLifecycle:
     """One sharded module's place in the lifecycle, and what it does at the root's
     boundaries; ``ModuleState`` (module.py), which adds the hooks, is one.
 
-    Its phase is written here only, by ``_set_phase``, through ``ALLOWED``.
+    Its stage is written here only, by ``on``, through lifecycle.py's table.
     """
 
     def __init__(self, label: str, settings: GroupSettings, check: bool) -> None:
@@ -160,23 +154,30 @@ class ModuleLifecycle:
         self.check = check
         self.group: ParamGroup | None = None
         self.context: FSDPContext | None = None
-        self.phase = Phase.IDLE
-        self.backward_done = False
+        self.stage = Stage.IDLE
         # fully_shard([a, b]): one group for several modules, gathered when the
         # first of them runs and resharded after the last: those still to run.
         self.to_run: set[int] = set()
         self._part: nn.Module | None = None  # the root's part called on its own (module.py)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.label!r}, phase={self.phase.name})"
+        return f"{type(self).__name__}({self.label!r}, stage={self.stage.name})"
 
-    def _set_phase(self, new: Phase) -> None:
-        if (self.phase, new) not in ALLOWED:
-            raise LifecycleError(
-                f"module {self.label!r}: phase {self.phase.name} -> {new.name} is not allowed; "
-                f"last events: {list(self.context.events)[-8:] if self.context else []}"
-            )
-        self.phase = new
+    @property
+    def phase(self) -> Phase:
+        return _PHASE_OF[self.stage]
+
+    @property
+    def backward_done(self) -> bool:
+        """Its backward is over in this backward pass (reduced, maybe stepped)."""
+        return self.stage is Stage.REDUCED or self.stage is Stage.STEPPED
+
+    def on(self, event: Event) -> None:
+        """Move to the stage ``event`` leads to (lifecycle.py's table), or raise
+        ``LifecycleError`` naming this module, its stage and the event."""
+        self.stage = next_stage(
+            self.label, self.stage, event, self.context.events if self.context else ()
+        )
 
     def reshard_now(self, keep: bool = False) -> None:
         """Free what is gathered; ``keep``: after forward, what backward gathers from."""
@@ -187,20 +188,28 @@ class ModuleLifecycle:
         """The root's forward starts. A forward that raised left this module FORWARD
         and maybe gathered: recover here rather than refuse every later step."""
         self.to_run.clear()  # a group whose modules did not all run last time
-        if self.phase is not Phase.IDLE:
-            self._set_phase(Phase.IDLE)
+        if self.stage is Stage.FORWARD:
+            self.on(Event.RECOVER)
             self.reshard_now()
         if self.group is not None:
             self.group.new_forward()
 
-    def root_forward_ends(self) -> None:
+    def forward_ends(self, backward_follows: bool) -> None:
+        self.on(Event.FORWARD_FOR_BACKWARD if backward_follows else Event.FORWARD_DONE)
+
+    def root_forward_ends(self, backward_follows: bool) -> None:
         """The root's forward ended before all of this group's modules ran (or one ran
         again): its forward ends with the root's, as in FSDP2 (the root resharded it)."""
         self.to_run.clear()
-        self._set_phase(Phase.IDLE)
+        if self.stage is Stage.FORWARD:
+            self.forward_ends(backward_follows)
+
+    def no_backward(self) -> None:
+        """The root's forward ended and no backward follows: nobody waits for one."""
+        if self.stage is Stage.AFTER_FORWARD:
+            self.on(Event.NO_BACKWARD)
 
     def backward_starts(self) -> None:
-        self.backward_done = False
         if self.group is not None:
             # A forward recomputed with its hooks (checkpoint around the module)
             # builds a new graph: it makes a new attachment, once per backward,
@@ -211,8 +220,10 @@ class ModuleLifecycle:
 
     def backward_finished(self) -> None:
         """This module's reduction is started (or not needed): its backward is over."""
-        self.backward_done = True
-        self._set_phase(Phase.IDLE)
+        self.on(Event.REDUCE)
+
+    def stepped(self) -> None:
+        self.on(Event.STEP)
 
     def backward_ends(self) -> None:
         """The root's backward ended (or was abandoned): sharded, IDLE."""
@@ -220,14 +231,11 @@ class ModuleLifecycle:
             if self.settings.reshard_after_backward:
                 self.group.reshard()
             self.group.detach_autograd()
-        self.backward_done = False
-        if self.phase is not Phase.IDLE:  # (most finished their backward: IDLE already)
-            self._set_phase(Phase.IDLE)
+        self.on(Event.BACKWARD_ENDS)
 
     def reset(self) -> None:
         """Back to between steps (``reset_iter_state``): sharded, IDLE, no partial sums."""
-        self._set_phase(Phase.IDLE)
-        self.backward_done = False
+        self.on(Event.RESET)
         self.to_run.clear()
         self._part = None  # a root part whose call raised: the next call gathers anew
         self.reshard_now()
@@ -247,10 +255,10 @@ class FSDPContext:
         self.states = states
         self.phase = Phase.IDLE
         # Reductions in flight and the group each is of, in the order they started.
-        self.pending_reduces: list[tuple[ParamGroup, Reduction]] = []
+        self.pending_reduces: list[tuple[ModuleLifecycle, Reduction]] = []
         self.downloads: list[Any] = []  # CPU offload: gradients copied to host, in flight
         # optimizer_in_backward: what this backward stepped (step_in_backward.py).
-        self.steps: BackwardSteps[ParamGroup] = BackwardSteps()
+        self.steps: BackwardSteps[ModuleLifecycle] = BackwardSteps()
         self.forwards = 0  # forwards with grad since the last backward ended
         self.events: deque[str] = deque(maxlen=32)
         self.check = any(s.check for s in states)

@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
-from . import root
+from . import pipeline_stage, root
 from .check import check_forward_entry
 from .containers import map_tensors, tensors_in
 from .context import ExecutionOrder, FSDPContext, ModuleLifecycle, Phase, RootSettings
-from .param_group import Attachment, GroupState, will_run
+from .lifecycle import Event, GroupState
+from .param_group import Attachment, will_run
 from .precision import cast_floats
 from .settings import GroupSettings
 from .trace import active as active_trace
@@ -80,6 +82,9 @@ class ModuleState(ModuleLifecycle):
                 if s.group is not None:
                     s.group.label = s.label
                 states.append(s)
+        # Inside a pipeline stage sharded so that it would train wrong: refused now,
+        # before the first gather (pipeline_stage.py).
+        pipeline_stage.check(self.modules[0], states)
         lifecycles: list[ModuleLifecycle] = list(states)
         ctx = FSDPContext(self, lifecycles)
         for s in reversed(states):  # the root's own last: it wins
@@ -137,7 +142,7 @@ class ModuleState(ModuleLifecycle):
                 continue  # its backward needs no parameters
             if in_backward and g is not None and not g.reached_in_backward():
                 continue  # this backward stops before it (autograd.grad on an activation)
-            if g is not None and not s.backward_done and g.state is GroupState.SHARDED:
+            if g is not None and not s.backward_done and g.sharded:
                 # A module recomputed in backward needs the forward's values first.
                 g.unshard(in_backward and not (g.two_values and g.recomputes))
                 g.prefetched = True
@@ -168,7 +173,7 @@ class ModuleState(ModuleLifecycle):
             if self.phase is Phase.IDLE:  # first need of this module in this backward
                 needs = ctx.backward_needs(self)
                 targets = self.bwd_targets if self.bwd_targets is not None else needs
-                self._set_phase(Phase.BACKWARD)
+                self.on(Event.RECOMPUTE)
                 self._gather(targets if targets is not None else self.bwd_default, recompute=True)
             else:  # its pre-backward already gathered it and prefetched
                 self._gather([], recompute=True)
@@ -182,7 +187,7 @@ class ModuleState(ModuleLifecycle):
                 ctx.log(f"{self.label}: forward")
             needs = ctx.forward_needs(self)
             targets = self.fwd_targets if self.fwd_targets is not None else needs
-            self._set_phase(Phase.FORWARD)
+            self.on(Event.FORWARD)
             self._gather(targets if targets is not None else self.fwd_default)
             if len(self.modules) > 1 and ctx.in_forward:
                 # Inside the root's forward the others run next, in this gather.
@@ -240,8 +245,8 @@ class ModuleState(ModuleLifecycle):
             return output
         if self.to_run:
             return output  # more modules of this group run in this forward: keep it gathered
-        self._set_phase(Phase.IDLE)
         will_backward = bool(tensors) and torch.is_grad_enabled()
+        self.forward_ends(will_backward)
         if self is ctx.root:
             root.end_forward(ctx, backward_follows=will_backward and module.training)
             self._arm_parts()
@@ -263,14 +268,13 @@ class ModuleState(ModuleLifecycle):
                 "a gradient penalty) is not supported by shardwise: the second-order graph "
                 "would use parameters that are resharded after their first backward"
             )
-        # backward_done here: another forward's use of this module (two forwards, one
-        # backward) needs it again after its first post-backward: gather again.
-        self.backward_done = False
         if ctx.check:
             ctx.log(f"{self.label}: pre-backward")
         needs = ctx.backward_needs(self)
         targets = self.bwd_targets if self.bwd_targets is not None else needs
-        self._set_phase(Phase.BACKWARD)
+        # From REDUCED too: another forward's use of this module (two forwards, one
+        # backward) needs it again after its first post-backward: gather again.
+        self.on(Event.PRE_BACKWARD)
         if not self.settings.unshard_in_backward:
             return  # the user's promise: no parameter of this module is needed (an embedding)
         self._gather(targets if targets is not None else self.bwd_default, backward=True)
@@ -349,7 +353,7 @@ class ModuleState(ModuleLifecycle):
         self._part = part
         if ctx.check:
             ctx.log(f"{self.label}: gathered for its part {type(part).__name__}")
-        self._set_phase(Phase.FORWARD)
+        self.on(Event.FORWARD)
         self._gather(ctx.forward_needs(self) or [])  # nothing to prefetch: counts a forward
         if torch.is_grad_enabled():
             self._attach()
@@ -365,7 +369,7 @@ class ModuleState(ModuleLifecycle):
             hook = functools.partial(self._pre_backward, self.group.attachment)
             for t in tensors:
                 t.register_hook(hook)
-        self._set_phase(Phase.IDLE)
+        self.forward_ends(bool(tensors) and torch.is_grad_enabled())
         # As after the root's forward: kept for a backward that follows (the
         # root's default), resharded when none does.
         if not (tensors and torch.is_grad_enabled() and part.training) or (
@@ -522,7 +526,8 @@ class _RefuseRecomputeInside(torch.Tensor):
         if getattr(func, "__name__", "") in cls._passthrough:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        label = next((a.label for a in args if isinstance(a, _RefuseRecomputeInside)), "?")
+        found = tree_leaves((args, kwargs))
+        label = next((a.label for a in found if isinstance(a, _RefuseRecomputeInside)), "?")
         raise ValueError(
             f"module {label!r}: activation checkpointing inside a module sharded with "
             "CommPolicy(quantize_gather='forward') would recompute with backward's "

@@ -31,7 +31,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum, auto
 from typing import Any
 
 import torch
@@ -43,18 +42,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import collectives
 from .flat_shard import local_of
+from .lifecycle import GroupState, check_group
 from .mesh_part import MeshPart, Reduction, Reductions, split_by_mesh
 from .settings import GroupSettings
 from .sharded_param import ShardedParam
 from .step_in_backward import StepInBackward
 from .tensor_parallel import TPLayout
 from .trace import active as active_trace
-
-
-class GroupState(Enum):
-    SHARDED = auto()
-    GATHERING = auto()  # all-gather issued, not yet waited for
-    UNSHARDED = auto()
 
 
 class _OptimizerSteps:
@@ -142,11 +136,12 @@ class ParamGroup:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         )
-        self.state = GroupState.SHARDED
+        self.state = GroupState.SHARDED  # written by ``_to`` only (lifecycle.py's table)
         # optimizer_in_backward's stepper: steps this group once its gradients are reduced.
         self.step_in_backward: StepInBackward | None = None
         self.stepped = False  # stepped in this backward: gathering it again is refused
-        self.kept: torch.Tensor | None = None  # what reshard_after_forward=int kept for backward
+        # What reshard_after_forward=int kept for backward (state SHARDED_AFTER_FORWARD).
+        self.kept: torch.Tensor | None = None
         self.prefetched = False  # gathered by another module's prefetch, not yet used
         # What the gather in flight or done holds: backward's values (True) or the
         # forward's (False). They differ only where ``two_values`` (qwZ "forward").
@@ -216,7 +211,9 @@ class ParamGroup:
         for part in self.parts:
             rebuilt |= part.layout.load_assigned(state_dict, keys[part.start : part.stop])
         if rebuilt:
-            self.state = GroupState.SHARDED
+            self.kept = None
+            if self.state is not GroupState.SHARDED:
+                self._to(GroupState.SHARDED)
             self.choose_gather()
         return rebuilt
 
@@ -226,7 +223,7 @@ class ParamGroup:
         """Issue this group's all-gather (async); ``wait_unsharded`` finishes it.
         ``backward``: for a backward's gradients (a communication policy may gather
         those at full precision; a recomputed forward's gather is a forward's)."""
-        if self.state is not GroupState.SHARDED:
+        if not self.sharded:
             return
         if self.stepped:
             raise RuntimeError(
@@ -247,11 +244,12 @@ class ParamGroup:
             if part.pending is not None:  # else nothing to wait for (aliased, a cast done)
                 in_flight.append(part)
         if not in_flight:
-            self.state = GroupState.UNSHARDED
+            self.kept = None
+            self._to(GroupState.UNSHARDED)
             self._install_plain()
         else:
             self._pending = in_flight
-            self.state = GroupState.GATHERING
+            self._to(GroupState.GATHERING)
 
     def prefetches(self, in_backward: bool, past_first: bool = False) -> bool:
         """Whether this group's gather issues prefetches: whether gathering ahead
@@ -275,8 +273,17 @@ class ParamGroup:
         """The gather issued and not yet waited for (None: none is)."""
         return self._pending if self.state is GroupState.GATHERING else None
 
+    @property
+    def sharded(self) -> bool:
+        """Nothing gathered or being gathered (a part kept after forward may be)."""
+        return self.state is GroupState.SHARDED or self.state is GroupState.SHARDED_AFTER_FORWARD
+
+    def _to(self, new: GroupState) -> None:
+        check_group(self.label, self.state, new)
+        self.state = new
+
     def wait_unsharded(self, backward: bool = False) -> None:
-        if self.state is GroupState.SHARDED:
+        if self.sharded:
             self.unshard(backward)
         if self.state is not GroupState.GATHERING:
             return
@@ -287,7 +294,7 @@ class ParamGroup:
             part.gather.finish()
             part.pending = None
         self._pending = self.kept = None
-        self.state = GroupState.UNSHARDED
+        self._to(GroupState.UNSHARDED)
         self._install_plain()
 
     def use_comm_alloc(self, alloc: collectives.Allocator | None) -> None:
@@ -307,7 +314,7 @@ class ParamGroup:
     def use_post_forward_group(self, group: Any) -> None:
         """``reshard_after_forward=int``'s group of n ranks (None: none; a bool replaced it)."""
         self.settings.post_forward_group = group
-        self.kept = None
+        self._drop_kept()
         self.choose_gather()
 
     def choose_gather(self) -> None:
@@ -330,7 +337,7 @@ class ParamGroup:
         (else its activations are not the ones the forward made) and the gradients
         that follow with the backward's, as without checkpointing: what is gathered
         with the other values is dropped and gathered again."""
-        if self.two_values and self.state is not GroupState.SHARDED:
+        if self.two_values and not self.sharded:
             if self.for_backward != backward:
                 self.reshard()
         self.wait_unsharded(backward)
@@ -370,9 +377,8 @@ class ParamGroup:
         if self.attachment is None:
             trainable = self.trainable
             if len(trainable) != len(self.params):
-                # Kept gathered since an earlier forward's attachment, a parameter
-                # frozen since would compute with that attachment's tracked tensor:
-                # its gradient would reach the earlier post-backward once more.
+                # Frozen since an earlier attachment still installed: its tracked
+                # tensor would carry gradients to that post-backward once more.
                 tracked = {id(sp) for sp in trainable}
                 for sp in self.params:
                     if id(sp) not in tracked:
@@ -465,14 +471,13 @@ class ParamGroup:
     def reshard(self, keep: bool = False) -> None:
         """Free the unsharded parameters. ``keep``: after forward, with a post-forward
         group (``reshard_after_forward=int``), keep this rank's part for backward."""
+        kept = None
         if (
             keep
             and self.settings.post_forward_group is not None
             and self.state is GroupState.UNSHARDED
         ):
-            self.kept = self.layout.part_for(self.settings.post_forward_group.size())
-        elif not keep:
-            self.kept = None
+            kept = self.layout.part_for(self.settings.post_forward_group.size())
         if self.state is GroupState.GATHERING:
             assert self._pending is not None
             for part in self._pending:
@@ -481,6 +486,10 @@ class ParamGroup:
                 part.pending = None
                 part.gather.drop()
             self._pending = None
+        elif self.state is GroupState.SHARDED_AFTER_FORWARD:
+            if not keep:
+                self._drop_kept()
+            return
         elif self.state is GroupState.SHARDED:
             return
         for sp in self.params:
@@ -494,17 +503,24 @@ class ParamGroup:
         # uses the same autograd outputs (the storage is refilled in place), so
         # its backward runs one post-backward. The context clears it per forward.
         self.prefetched = False
-        self.state = GroupState.SHARDED
+        self.kept = kept
+        self._to(GroupState.SHARDED if kept is None else GroupState.SHARDED_AFTER_FORWARD)
         tracer = active_trace()
         if tracer is not None:
             tracer.instant("reshard", self.label)
+
+    def _drop_kept(self) -> None:
+        """Forget the part kept after forward (stale once the optimizer stepped)."""
+        self.kept = None
+        if self.state is GroupState.SHARDED_AFTER_FORWARD:
+            self._to(GroupState.SHARDED)
 
     def new_forward(self) -> None:
         """A root forward starts: it makes its own attachment (one per module per
         forward; the one of a group still gathered is kept, ``keeps_attachment``),
         and a part kept after forward (``reshard_after_forward=int``) for a
         backward that never came is stale once the optimizer has stepped: gather anew."""
-        self.kept = None
+        self._drop_kept()
         if not self.keeps_attachment():
             self.attachment = None
 

@@ -26,8 +26,8 @@ import torch
 
 from .check import check_backward_end
 from .context import FSDPContext, ModuleLifecycle, Phase
+from .lifecycle import Event
 from .mesh_part import Reduction
-from .param_group import ParamGroup
 from .step_in_backward import StepInBackward
 
 # ---- forward ----------------------------------------------------------------------------
@@ -52,7 +52,9 @@ def end_forward(ctx: FSDPContext, backward_follows: bool) -> None:
         elif s.settings.reshard_after_forward:
             s.reshard_now(keep=True)
         if s.to_run:
-            s.root_forward_ends()
+            s.root_forward_ends(backward_follows)
+        if not backward_follows:
+            s.no_backward()
     ctx.end_forward()
 
 
@@ -100,6 +102,7 @@ def hold(ctx: FSDPContext, state: ModuleLifecycle) -> None:
     backward starts or this backward ends; then ``release_held`` reduces them."""
     if ctx.held is not None and ctx.held is not state:
         release_held(ctx)
+    state.on(Event.HOLD)
     ctx.held = state
 
 
@@ -128,7 +131,7 @@ def finish_backward(
             grads or [None] * len(group.params), ctx.settings.is_last_backward, ctx.downloads
         )
         if job is not None:
-            ctx.pending_reduces.append((group, job))
+            ctx.pending_reduces.append((state, job))
     state.backward_finished()
     ctx.backwards_done += 1
 
@@ -144,47 +147,52 @@ def finish_reduces(ctx: FSDPContext, keep: int = 0, overlap: bool = False) -> No
     holds meanwhile is one reduced shard, not the reduce-scatter's input.
     """
     pending = ctx.pending_reduces
-    staying: list[tuple[ParamGroup, Reduction]] = []
+    staying: list[tuple[ModuleLifecycle, Reduction]] = []
     try:
         for _ in range(len(pending) - keep):
             # Off the list first: a job that raises is not finished twice
             # (its gradients added twice) when a reset finishes the rest.
-            group, job = pending.pop(0)
+            state, job = pending.pop(0)
             if overlap and job.overlaps:
                 job.scattered()
-                staying.append((group, job))
+                staying.append((state, job))
                 continue
             shards = job.finish()
             if shards is None:
                 continue  # held back (set_requires_all_reduce(False)): no gradient yet
+            group = state.group
+            assert group is not None
             group.assign_grads(shards, job.used)
             stepper = group.step_in_backward
             if job.last_backward and stepper is not None:
-                _grads_ready(ctx, stepper, group, job.downloaded)
+                _grads_ready(ctx, stepper, state, job.downloaded)
     finally:
         pending[:0] = staying
 
 
 def _grads_ready(
-    ctx: FSDPContext, stepper: StepInBackward, group: ParamGroup, download: object
+    ctx: FSDPContext, stepper: StepInBackward, state: ModuleLifecycle, download: object
 ) -> None:
-    """``group``'s gradients are on ``.grad`` (``download``: the event of their copy
+    """``state``'s gradients are on ``.grad`` (``download``: the event of their copy
     to the host, or None): optimizer_in_backward steps it now, on its worker
     thread, or at the end of this backward."""
     if ctx.forwards > 1:
         # Several forwards before this backward: a module may be reduced once
         # per forward, so it steps at the end, when its gradients are whole.
-        ctx.steps.defer(stepper, group)
+        ctx.steps.defer(stepper, state)
         return
-    _start_step(ctx, stepper, group, download)
+    _start_step(ctx, stepper, state, download)
 
 
 def _start_step(
-    ctx: FSDPContext, stepper: StepInBackward, group: ParamGroup, download: object
+    ctx: FSDPContext, stepper: StepInBackward, state: ModuleLifecycle, download: object
 ) -> None:
+    group = state.group
+    assert group is not None
+    state.stepped()
     group.stepped = True  # gathered again in this backward: refused (param_group.py)
     offloaded = group.settings.offload_policy is not None
-    ctx.steps.start(stepper, group, group.grads_to_step(), offloaded, download)
+    ctx.steps.start(stepper, state, group.grads_to_step(), offloaded, download)
 
 
 def wait_steps(ctx: FSDPContext, raise_error: bool = True) -> None:
@@ -194,13 +202,14 @@ def wait_steps(ctx: FSDPContext, raise_error: bool = True) -> None:
     kept their gradients."""
     deferred = ctx.steps.take_deferred()
     if raise_error:
-        for stepper, group in deferred:  # several forwards: every reduction is done now
-            _start_step(ctx, stepper, group, None)
+        for stepper, state in deferred:  # several forwards: every reduction is done now
+            _start_step(ctx, stepper, state, None)
     ctx.forwards = 0
     stepped, error = ctx.steps.wait()
-    for group in stepped:
-        group.stepped = False
-        group.reshard()
+    for state in stepped:
+        assert state.group is not None
+        state.group.stepped = False
+        state.group.reshard()
     if error is not None and raise_error:
         raise error
 

@@ -101,9 +101,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("fsdp_module",),
     # The runtime.
     ("module",),  # one module's hooks (ModuleState)
+    ("pipeline_stage",),  # a root's first forward inside a pipeline stage: refusals
     ("root",),  # the root's boundaries: every module at a forward's start and end, a backward's end
     ("check",),  # lifecycle checks: read the context and the modules' lifecycles
-    ("context",),  # the root's shared state and each module's lifecycle (phase, ALLOWED)
+    ("context",),  # the root's shared state and each module's lifecycle (its stage)
     ("param_group",),  # one group's gather/reshard/reduce lifecycle
     ("mesh_part",),  # a group's parameters on one mesh, and its parts' reductions as one
     ("gather", "reduce", "step_in_backward"),  # strategies, given the layout; the stepper
@@ -113,6 +114,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Below everything: the timeline, settings, the copies, the collectives, the labels.
     ("trace",),
     ("settings", "checkpoint_integrity"),
+    ("lifecycle",),  # the states, events and transition tables (imports nothing)
     # Collectives that know the node boundary, composed of collectives.py's calls.
     ("node_collectives",),
     ("precision", "tensor_parallel", "collectives", "offload", "comm_policy"),
@@ -257,22 +259,34 @@ def _assignments(path: Path, attr: str) -> list[tuple[str, str]]:
     return found
 
 
-def test_a_module_phase_is_written_only_through_the_transition_table() -> None:
-    """``ModuleLifecycle._set_phase`` (context.py) checks ``ALLOWED``; no other code writes
-    a module's phase. The context writes its own phase only."""
+def test_a_module_stage_and_a_group_state_are_written_only_through_their_tables() -> None:
+    """``ModuleLifecycle.on`` (context.py) moves a module's stage through lifecycle.py's
+    ``TRANSITIONS``, ``ParamGroup._to`` a group's memory state through
+    ``GROUP_TRANSITIONS``; no other code writes either. The context writes its own
+    phase only."""
     writes = [
         (p.stem, where, target)
         for p in sorted(RUNTIME.glob("*.py"))
-        for where, target in _assignments(p, "phase")
+        for attr in ("phase", "stage", "state")
+        for where, target in _assignments(p, attr)
     ]
     allowed = {
-        ("context", "ModuleLifecycle.__init__", "self.phase"),
-        ("context", "ModuleLifecycle._set_phase", "self.phase"),
+        ("context", "ModuleLifecycle.__init__", "self.stage"),
+        ("context", "ModuleLifecycle.on", "self.stage"),
+        ("param_group", "ParamGroup.__init__", "self.state"),
+        ("param_group", "ParamGroup._to", "self.state"),
+        # other things called state: torch's fully_shard.state, an autograd
+        # function's context, an optimizer's state
+        ("api", "", "fully_shard.state"),
+        ("module", "_Unsharded.forward", "ctx.state"),
+        ("module", "_AfterInputGrads.forward", "ctx.state"),
+        ("step_in_backward", "_shadow", "shadow.state"),
     }
     wrong = [
         w
         for w in writes
-        if w not in allowed and not (w[0] == "context" and w[1].startswith("FSDPContext."))
+        if w not in allowed
+        and not (w[0] == "context" and w[1].startswith("FSDPContext.") and w[2] == "self.phase")
     ]
     assert not wrong, wrong
 
