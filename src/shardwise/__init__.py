@@ -55,16 +55,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # The planner is its own package (shardwise_plan): ``import shardwise`` loads none
-    # of it, and the old name imports it on first use, warning once.
+    # ``shardwise.plan`` (the planner, moved to its own package) is gone: importing it
+    # from here was the one import cycle between the packages. The old name still
+    # says where the planner lives rather than a bare "no attribute".
     if name == "plan":
-        import warnings
-
-        from shardwise_plan import plan
-
-        warnings.warn(
-            "shardwise.plan moved to shardwise_plan.plan", DeprecationWarning, stacklevel=2
+        raise AttributeError(
+            "module 'shardwise' has no attribute 'plan': the planner is "
+            "shardwise_plan.plan (from shardwise_plan import plan)"
         )
-        globals()["plan"] = plan  # found directly from now on: the warning is once
-        return plan
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

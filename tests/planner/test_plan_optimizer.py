@@ -111,18 +111,25 @@ def test_import_shardwise_loads_no_planner_or_application() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_shardwise_plan_is_the_planners_and_warns_once() -> None:
+def test_shardwise_plan_is_gone_and_says_where_the_planner_is() -> None:
+    """The deprecated ``shardwise.plan`` shim is removed (it imported the planner from
+    the library: the one import cycle between the packages). The old name fails with an
+    AttributeError naming ``shardwise_plan``, and asking for it loads no planner."""
     code = """
-import warnings
-import shardwise, shardwise_plan
-with warnings.catch_warnings(record=True) as seen:
-    warnings.simplefilter("always")
-    first, second = shardwise.plan, shardwise.plan
-assert first is second is shardwise_plan.plan
-assert [str(w.message) for w in seen] == ["shardwise.plan moved to shardwise_plan.plan"]
-assert all(w.category is DeprecationWarning for w in seen)
+import sys, shardwise
+try:
+    shardwise.plan
+except AttributeError as e:
+    message = str(e)
+else:
+    raise SystemExit("shardwise.plan still resolves")
+assert "shardwise_plan.plan" in message, message
+assert not hasattr(shardwise, "plan")
+assert not [m for m in sys.modules if m.startswith("shardwise_plan")], "planner loaded"
+print(message)
 """
     out = subprocess.run(
         [sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
+    assert "shardwise_plan" in out.stdout, out.stdout
