@@ -1,4 +1,4 @@
-"""docs/scaling.md's communication-policy table: each policy predicted at 64 and 512 GPUs.
+"""docs/scaling_predictions.md's communication-policy table: each policy predicted at 64 and 512 GPUs.
 
     python benchmarks/comm_policy_table.py [--json FILE] [--worlds 8,64,512]
 

@@ -1,4 +1,5 @@
-"""The planner predicted and measured over a fixed set of configurations: docs/scaling.md's tables.
+"""The planner predicted and measured over fixed configurations: docs/scaling.md's tables,
+and docs/scaling_predictions.md's (the scaling suite).
 
     python benchmarks/plan_suite.py --suite h200|h200-offload|h200-no-offload|cpu|scaling
         [--rows 0,2] [--json FILE] [--rates FILE] [--compute rates|measured] [--launches N]
