@@ -58,10 +58,17 @@ backward would change for every user; (b) have a stage's ``parameters()``
 yield other tensors during backward: every other caller of ``parameters()``
 would see them too; (c) route torch's ``stage_backward_input``/``_weight``
 to versions of shardwise's: a copy of torch's internals, and only under the
-patch. The weight pass needs the stage kept gathered between microbatches
+patch. The runtime reshards a stage and gathers it again between
+microbatches when a rank holds more than 3 stages (its UNSHARD/RESHARD
+actions): a gather reinstalls the step's tracked parameters
+(``ParamGroup.reinstall_kept``), so every pass finds the same nodes. The
+weight pass needs the stage kept gathered between its own microbatches
 (``reshard_after_forward=False``, as torchtitan shards under PP): resharded
 after forward, ``parameters()`` yields the sharded parameters, whose nodes
-are not in the graph.
+are not in the graph, and a weight pass apart from the input pass would lose
+those gradients (FSDP2 loses them the same way). Such a stage is refused at
+its first forward, as are an unsharded stage module and a stage sharded over
+other stages' ranks (pipeline_stage.py).
 """
 
 from __future__ import annotations

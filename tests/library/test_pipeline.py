@@ -53,7 +53,7 @@ STEPS = 2
 BATCH = 16  # 8 rows per dp rank: 4 microbatches of 2
 SEQ = 6
 D = 8
-LAYERS = 4
+LAYERS = 8  # 1 to 4 stages on each of the 2 pp ranks: 2 to 8 stages
 LR = 0.2
 RTOL = 1e-4
 ATOL = 1e-6
@@ -110,11 +110,11 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stage_module(whole: PipeModel, index: int, n_stages: int) -> PipeModel:
-    """Stage ``index`` of ``n_stages``: its share of the layers, the embedding on the
+    """Stage ``index`` of ``n_stages``: its share of the layers (at least one: shares
+    differ by one where ``n_stages`` does not divide ``LAYERS``), the embedding on the
     first, norm and head on the last."""
     stage = copy.deepcopy(whole)
-    per = LAYERS // n_stages
-    keep = {str(i) for i in range(index * per, (index + 1) * per)}
+    keep = {str(i) for i in range(index * LAYERS // n_stages, (index + 1) * LAYERS // n_stages)}
     for name in [n for n in stage.layers if n not in keep]:
         del stage.layers[name]
     if index != 0:
@@ -124,12 +124,13 @@ def stage_module(whole: PipeModel, index: int, n_stages: int) -> PipeModel:
     return stage
 
 
-def stage_indices(style: str, pp_rank: int) -> tuple[list[int], int]:
-    """This pp rank's stage indices and the number of stages."""
+def stage_indices(style: str, pp_rank: int, per_rank: int) -> tuple[list[int], int]:
+    """This pp rank's stage indices and the number of stages: ``per_rank`` stages on
+    each pp rank where the schedule loops (one or two where it does not)."""
     if style == "single":
         return [pp_rank], PP
     if style == "loop":
-        return [pp_rank, pp_rank + PP], 2 * PP
+        return [pp_rank + k * PP for k in range(per_rank)], per_rank * PP
     return [pp_rank, 2 * PP - 1 - pp_rank], 2 * PP
 
 
@@ -167,14 +168,16 @@ def sharding(mode: str) -> Iterator[Callable[..., Any]]:
             shardwise.unpatch_fsdp2()
 
 
-def shard_stage(stage: PipeModel, fully_shard: Callable[..., Any], dp: DeviceMesh) -> list[str]:
-    """Shard each block and the stage root over ``dp``, kept gathered after forward;
+def shard_stage(
+    stage: PipeModel, fully_shard: Callable[..., Any], dp: DeviceMesh, raf: bool | int
+) -> list[str]:
+    """Shard each block and the stage root over ``dp`` with ``reshard_after_forward=raf``;
     returns the names of the sharded modules that own parameters."""
     owners = []
     for name, block in stage.layers.items():
-        fully_shard(block, mesh=dp, reshard_after_forward=False)
+        fully_shard(block, mesh=dp, reshard_after_forward=raf)
         owners.append(f"layers.{name}")
-    fully_shard(stage, mesh=dp, reshard_after_forward=False)
+    fully_shard(stage, mesh=dp, reshard_after_forward=raf)
     if any(m is not None for m in (stage.emb, stage.norm, stage.head)):
         owners.append("")  # the root's own: embedding, or norm and head
     return owners
@@ -240,7 +243,7 @@ def reference() -> tuple[list[list[torch.Tensor]], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_case(schedule_name: str, mode: str) -> None:
+def run_case(schedule_name: str, mode: str, raf: bool | int, per_rank: int) -> None:
     """One schedule's steps under one mode, checked against one process; then every
     rank waits for the others (the default group, whose timeout is long): a rank that
     failed early must not start the next case while a peer still waits on this one's
@@ -248,20 +251,25 @@ def run_case(schedule_name: str, mode: str) -> None:
     try:
         mesh = make_mesh()
         with sharding(mode) as fully_shard:  # patched for the whole run: stage.py calls it
-            train_and_compare(schedule_name, mode, mesh, fully_shard)
+            train_and_compare(schedule_name, mode, raf, per_rank, mesh, fully_shard)
     finally:
         dist.barrier()
 
 
 def train_and_compare(
-    schedule_name: str, mode: str, mesh: DeviceMesh, fully_shard: Callable[..., Any]
+    schedule_name: str,
+    mode: str,
+    raf: bool | int,
+    per_rank: int,
+    mesh: DeviceMesh,
+    fully_shard: Callable[..., Any],
 ) -> None:
     style = SCHEDULES[schedule_name]
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    indices, n_stages = stage_indices(style, pp_rank)
+    indices, n_stages = stage_indices(style, pp_rank, per_rank)
     whole = make_model()
     modules = [stage_module(whole, i, n_stages) for i in indices]
-    owners = [name for m in modules for name in shard_stage(m, fully_shard, mesh["dp"])]
+    owners = [name for m in modules for name in shard_stage(m, fully_shard, mesh["dp"], raf)]
     group = mesh["pp"].get_group()
     stages = [
         pipelining.PipelineStage(m, i, n_stages, torch.device("cpu"), group=group)
@@ -297,7 +305,9 @@ def train_and_compare(
                 reduced,
                 owners,
             )
-            if step > 0:  # (the first step's metadata inference gathers and reshards)
+            # (The first step's metadata inference gathers too; with more than 3 stages
+            # on a rank the runtime reshards some between microbatches, as under FSDP2.)
+            if step > 0 and raf is not True and per_rank <= 3:
                 # Kept gathered from the first forward to the reduction: one all-gather.
                 gathered = Counter(s for s in seen if s.startswith("all_gather"))
                 assert gathered == Counter(f"all_gather:{n}" for n in labels), (step, seen)
@@ -313,69 +323,122 @@ def train_and_compare(
                 raise AssertionError(f"{name} after {STEPS} steps: {e}") from None
 
 
-# ---- bad input: one clear error naming the module, nothing changed ----------------------
+# ---- bad input: one clear error naming the stage, nothing changed ----------------------
 
 
-def bad_stage(kind: str, mode: str) -> None:
-    """A GPipe stage sharded wrongly: ``unsharded`` (its blocks sharded, the stage root
-    not: the runtime would treat it as a plain module and each block would reduce
-    per microbatch), ``world-mesh`` (sharded over all 4 ranks, which hold different
-    stages, instead of the stage's ``dp`` ranks). The first step must raise an error
-    naming the module before any parameter or gradient changes."""
+def bad_stage(kind: str, mode: str, schedule_name: str = "GPipe") -> None:
+    """A stage sharded wrongly: ``unsharded`` (its blocks sharded, the stage root not:
+    the runtime would treat it as a plain module and each block would reduce per
+    microbatch), ``world-mesh`` (sharded over all 4 ranks, which hold different stages,
+    instead of the stage's ``dp`` ranks), ``raf`` (resharded after forward under a
+    schedule whose weight pass is apart from the input pass). The first step raises
+    before any shardwise collective and before any parameter or gradient changes: on
+    the rank whose stage runs first, shardwise's error naming the stage; its pipeline
+    peers, waiting on that stage's first message, get torch's receive timeout."""
     mesh = make_mesh()
     world = init_device_mesh("cpu", (WORLD,), backend_override={0: ("gloo", short_timeout())})
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    module = stage_module(make_model(), pp_rank, PP)
-    with sharding(mode) as fully_shard:
-        for block in module.layers.values():
-            fully_shard(block, mesh=world if kind == "world-mesh" else mesh["dp"])
-        if kind == "world-mesh":
-            fully_shard(module, mesh=world)
-        before = {n: full(p).clone() for n, p in module.named_parameters()}
-        stage = pipelining.PipelineStage(
-            module, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group()
+    style = SCHEDULES[schedule_name]
+    indices, n_stages = stage_indices(style, pp_rank, 2)
+    modules = [stage_module(make_model(), i, n_stages) for i in indices]
+    with sharding(mode) as fully_shard, counting_collectives(mode) as seen:
+        for module in modules:
+            if kind == "raf":
+                shard_stage(module, fully_shard, mesh["dp"], True)
+                continue
+            for block in module.layers.values():
+                fully_shard(block, mesh=world if kind == "world-mesh" else mesh["dp"])
+            if kind == "world-mesh":
+                fully_shard(module, mesh=world)
+        before = {n: full(p).clone() for m in modules for n, p in m.named_parameters()}
+        stages = [
+            pipelining.PipelineStage(
+                m, i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()
+            )
+            for m, i in zip(modules, indices)
+        ]
+        cls = getattr(pipelining, f"Schedule{schedule_name}")
+        schedule = cls(
+            stages[0] if style == "single" else stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn
         )
-        schedule = pipelining.ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
         rows = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
         x, y = (t[rows] for t in data(0))
-        name = "layers" if kind == "unsharded" else "PipeModel"
         try:
             if pp_rank == 0:
                 schedule.step(x)
             else:
                 schedule.step(target=y, losses=[])
         except (ValueError, RuntimeError) as e:
-            assert name in str(e), f"the error does not name {name!r}: {e}"
+            if pp_rank == 0:  # stage 0 runs first
+                assert isinstance(e, ValueError), e
+                assert str(e).startswith("pipeline stage 0 (PipeModel): "), e
+                want = {"unsharded": "not sharded", "world-mesh": "other stages", "raf": "reshards"}
+                assert want[kind] in str(e), e
+                assert not seen, seen  # before any all-gather
         else:
             raise AssertionError(f"a stage sharded {kind!r} trained without an error")
-    for n, p in module.named_parameters():
-        assert p.grad is None, n
-        torch.testing.assert_close(full(p), before[n], rtol=0, atol=0)
+    for m in modules:
+        for n, p in m.named_parameters():
+            assert p.grad is None, n
+            torch.testing.assert_close(full(p), before[n], rtol=0, atol=0)
 
 
-def _bad(kind: str, mode: str) -> Callable[[int, int], None]:
+def _bad(kind: str, mode: str, schedule_name: str = "GPipe") -> Callable[[int, int], None]:
     def check(rank: int, world: int) -> None:
         try:
-            bad_stage(kind, mode)
+            bad_stage(kind, mode, schedule_name)
         finally:
             dist.barrier()
 
     return check
 
 
-def _check(schedule_name: str, mode: str) -> Callable[[int, int], None]:
+def _check(
+    schedule_name: str, mode: str, raf: bool | int = False, per_rank: int = 2
+) -> Callable[[int, int], None]:
     def check(rank: int, world: int) -> None:
-        run_case(schedule_name, mode)
+        run_case(schedule_name, mode, raf, per_rank)
 
     return check
 
 
+RAFS: dict[str, bool | int] = {"rafF": False, "rafT": True, "raf1": 1}
+PER_RANK = {"single": (1,), "loop": (1, 2, 3, 4), "v": (2,)}
+SPLIT = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")  # weight pass apart
+# Every schedule x reshard_after_forward x stages a rank x mode; resharding after
+# forward under a split schedule is refused (bad_stage), so not trained. FSDP2, the
+# control, runs where it is right: resharded after forward under those schedules it
+# loses or miscomputes gradients.
+MATRIX = {
+    f"{s}-{m}-{r}-x{k}": _check(s, m, raf, k)
+    for s, style in SCHEDULES.items()
+    for m in MODES
+    for r, raf in RAFS.items()
+    for k in PER_RANK[style]
+    if not (s in SPLIT and raf is True)
+}
+# The default suite: the zero-bubble schedules in every mode they train in, with 1 to
+# 4 stages a rank (4: the runtime reshards and regathers stages between microbatches);
+# the others resharded after forward and with 4 stages a rank, under shardwise.
+DEFAULT = [
+    n
+    for n in MATRIX
+    if (n.startswith(SPLIT) and "-fsdp2-" not in n and n.endswith(("-rafF-x4", "-raf1-x4")))
+    or (n.startswith("InterleavedZeroBubble-direct-rafF-") and n.endswith(("-x1", "-x3")))
+    or (n.startswith(("Interleaved1F1B-", "LoopedBFS-")) and n.endswith("-direct-rafT-x4"))
+    or (n.startswith(("GPipe-", "1F1B-")) and "-patched-rafT" in n)
+]
 CHECKS = {f"{s}-{m}": _check(s, m) for s in SCHEDULES for m in MODES}
-CHECKS.update({f"bad-unsharded-{m}": _bad("unsharded", m) for m in MODES[1:]})
-# Today a stage sharded over ranks of other stages aborts its process in gloo (collectives
-# of different sizes): in a launch of their own, so that the other cases still report.
-MESH_CHECKS = {f"bad-world-mesh-{m}": _bad("world-mesh", m) for m in MODES[1:]}
-BAD = [n for n in CHECKS if n.startswith("bad-")] + list(MESH_CHECKS)
+CHECKS.update({n: MATRIX[n] for n in DEFAULT})
+# In a launch of their own: a refused stage leaves its peers on a receive that times out.
+BAD_CHECKS = {f"bad-unsharded-{m}": _bad("unsharded", m) for m in MODES[1:]}
+BAD_CHECKS.update({f"bad-world-mesh-{m}": _bad("world-mesh", m) for m in MODES[1:]})
+BAD_CHECKS.update({f"bad-raf-{s}-{m}": _bad("raf", m, s) for s in SPLIT for m in MODES[1:]})
+# The world-mesh cases in a launch of their own: a peer aborts its process (_bad_param).
+MESH_CHECKS = {n: BAD_CHECKS.pop(n) for n in list(BAD_CHECKS) if "world-mesh" in n}
+BAD = list(BAD_CHECKS) + list(MESH_CHECKS)
+# The whole matrix (marker frameworks): python -m pytest -q -m frameworks tests/library/test_pipeline.py
+SWEEP = {n: c for n, c in MATRIX.items() if n not in CHECKS}
 
 _FOUND: dict[str, Any] = {}
 
@@ -384,11 +447,13 @@ def _results() -> dict[str, str | None]:
     return _launch("all", CHECKS)
 
 
-def _launch(key: str, checks: dict[str, Callable[[int, int], None]]) -> dict[str, str | None]:
+def _launch(
+    key: str, checks: dict[str, Callable[[int, int], None]], timeout: float = 240
+) -> dict[str, str | None]:
     """All of ``checks`` in one launch of ``WORLD`` ranks, once per session."""
     if key not in _FOUND:
         try:
-            _FOUND[key] = check_results(__name__, checks, WORLD, timeout=200)
+            _FOUND[key] = check_results(__name__, checks, WORLD, timeout=timeout)
         except BaseException as e:  # every case reports the one failed launch
             _FOUND[key] = e
     found = _FOUND[key]
@@ -397,23 +462,32 @@ def _launch(key: str, checks: dict[str, Callable[[int, int], None]]) -> dict[str
     return found
 
 
-def _param(name: str) -> Any:
-    if name in BAD:
-        reason = "shardwise does not check a pipeline stage's sharding yet"
-        return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
-    return name
-
-
-@pytest.mark.parametrize("case", [_param(n) for n in CHECKS if n not in BAD])
+@pytest.mark.parametrize("case", list(CHECKS))
 def test_schedule(case: str) -> None:
     results = _results()
     assert results[case] is None, f"{case}:\n{results[case]}"
 
 
-@pytest.mark.parametrize("case", [_param(n) for n in BAD])
+def _bad_param(name: str) -> Any:
+    if name.startswith("bad-world-mesh-"):
+        reason = (
+            "refused on the first stage's ranks, but a pipeline peer of the refused stage "
+            "aborts its process in gloo (a receive of a mismatched size) instead of timing out"
+        )
+        return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
+    return name
+
+
+@pytest.mark.parametrize("case", [_bad_param(n) for n in BAD])
 def test_bad_stage(case: str) -> None:
-    if case in MESH_CHECKS:
-        results = _launch("mesh", MESH_CHECKS)
-    else:
-        results = _results()
+    mesh = case in MESH_CHECKS
+    results = _launch("mesh", MESH_CHECKS) if mesh else _launch("bad", BAD_CHECKS)
+    assert results[case] is None, f"{case}:\n{results[case]}"
+
+
+@pytest.mark.frameworks
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case", list(SWEEP))
+def test_schedule_sweep(case: str) -> None:
+    results = _launch("sweep", SWEEP, timeout=1700)
     assert results[case] is None, f"{case}:\n{results[case]}"
