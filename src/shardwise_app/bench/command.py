@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..cli.common import cannot_create
+from ..cli.common import OneLineParser, cannot_create
 from .jobs import Job, hook_overhead_us, run_job
 from .models import HF_AC, BenchUsageError, ModelSpec, flops_per_token, resolve
 from .tables import add_ratios, plot, print_memory_table, print_table
@@ -68,7 +68,7 @@ examples:
 def build_parser() -> argparse.ArgumentParser:
     from ..models.gpt import SIZES
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="shardwise bench",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .common import add_launch_arguments, in_worker, launch_from_args
+from .common import OneLineParser, add_launch_arguments, in_worker, launch_from_args
 from .launcher import launch
 from .run_config import RunConfig
 from .run_folder import find_checkpoint
@@ -32,7 +32,7 @@ def parser(
     ckpt_metavar: str = "DIR",
 ) -> argparse.ArgumentParser:
     """``--ckpt``, then the command's own flags, then the launch flags (one process unless asked)."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = OneLineParser(prog=prog, description=description)
     p.add_argument(
         "--ckpt",
         required=True,

@@ -10,6 +10,7 @@ of them needs another's module for a constant or a type.
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from dataclasses import dataclass
@@ -26,6 +27,18 @@ LAUNCH_ID_ENV = "SHARDWISE_LAUNCH_ID"
 
 class UsageError(Exception):
     """Bad input: reported as one line on stderr, exit code 2, before anything is written."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Every subcommand's parser: a bad flag is one line and exit code 2 (a ``UsageError``,
+    which ``main`` prints as ``shardwise CMD: error: ...``), as every other bad input,
+    not argparse's whole usage block. An invalid choice names the choices (argparse's
+    message does); an unknown flag is named and points at ``--help``."""
+
+    def error(self, message: str) -> Any:
+        if message.startswith("unrecognized arguments:"):
+            message += f" ('{self.prog} --help' lists the flags)"
+        raise UsageError(message)
 
 
 def check_writable(folder: Path, said: str) -> None:

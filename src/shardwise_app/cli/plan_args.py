@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
+from .common import OneLineParser as OneLineParser  # plan's, calibrate's and the benchmarks'
 from .common import UsageError, cannot_create
 
 
@@ -24,13 +24,6 @@ def parse_raf(text: str) -> bool | int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"an int must be at least 1, got {n}")
     return n
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad flags are one line and exit code 2 (``UsageError``), as every other bad input."""
-
-    def error(self, message: str) -> Any:
-        raise UsageError(message)
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from .common import UsageError, add_launch_arguments, check_writable
+from .common import OneLineParser, UsageError, add_launch_arguments, check_writable
 from .fits import Shape, check_seq_len, memory_per_process, memory_warning
 from .launcher import add_fault_arguments
 from .run_config import RunConfig, TrainingFlags
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..models.gpt import CHECKPOINTING, SIZES
     from . import finetune
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="shardwise train",
         description="Train a small byte-level GPT, or fine-tune a transformers model from "
         "disk (--hf), with every block fully sharded.",
