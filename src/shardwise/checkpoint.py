@@ -77,7 +77,7 @@ __all__ = [
     "verify",
 ]
 
-# 2: with shardwise_checksums.json; 3: NumPy's RNG state as a tensor, so that the
+# 2: with shardwise_checksums.json; 3: the RNG states as tensors and numbers, so that the
 # whole file loads with torch.load(weights_only=True) and nothing else.
 _FORMAT = 3
 
@@ -164,10 +164,12 @@ def _model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, An
 def _rng_state() -> dict[str, Any]:
     """This rank's generators, as plain data: tensors, numbers, tuples and strings only."""
     kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, words, gauss_next = random.getstate()
+    # The Mersenne Twister states (uint32 words) as int64 tensors, exact: a tuple of 625
+    # ints takes weights_only's unpickler, written in Python, milliseconds to read.
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),  # (version, 625 ints, float or None)
-        # NumPy's MT19937 key (uint32, which torch.save holds as int64 without loss).
+        "python": {"version": version, "words": torch.tensor(words), "gauss": gauss_next},
         "numpy": {
             "kind": str(kind),
             "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
@@ -183,7 +185,10 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    python = state["python"]
+    if isinstance(python, dict):  # format 3; before, getstate()'s own tuple
+        python = (python["version"], tuple(python["words"].tolist()), python["gauss"])
+    random.setstate(python)
     saved = state["numpy"]
     if isinstance(saved, dict):  # format 3
         key = saved["key"].numpy().astype(np.uint32)
@@ -365,11 +370,10 @@ def load(
     naming the file and what it calls, on every rank, and nothing is loaded.
     """
     path = _resolve(Path(path))
-    integrity.verify_shared(path)
+    # Reads every file but the tensors without running code; extra is read there once,
+    # before any tensor, and kept.
+    payload = integrity.verify_shared(path)
     metadata = safe_load.read_metadata(path / safe_load.METADATA_FILE).state_dict_metadata
-    extra_file = path / EXTRA_FILE
-    # Read before any tensor: what it holds is checked now, not after the model changed.
-    payload = integrity.read_extra(extra_file) if extra_file.is_file() else None
     model_sd = _model_state(model, trainable_only)
     prefix = _layout(metadata, model_sd)
     _check_model(path, metadata, model_sd, prefix)

@@ -154,15 +154,18 @@ def verify(path: str | os.PathLike[str]) -> None:
     _check_structure(path, sums is not None)
 
 
-def verify_shared(path: Path) -> None:
-    """``verify`` for ``load``: each rank reads its share of the files, all learn the outcome."""
+def verify_shared(path: Path) -> Any:
+    """``verify`` for ``load``: each rank reads its share of the files, all learn the outcome.
+
+    Returns what ``shardwise_extra.pt`` holds (None without one), read on the way."""
     rank, world = collectives.rank(), collectives.world_size()
     problem: tuple[bool, str] | None = None  # (unsafe, message)
+    payload = None
     try:
         sums = read(path)
         if sums is not None:
             check(path, sums, sorted(sums)[rank::world])
-        _check_structure(path, sums is not None)
+        payload = _check_structure(path, sums is not None)
     except (DamagedCheckpoint, UnsafeCheckpoint) as e:
         problem = (isinstance(e, UnsafeCheckpoint), str(e))
     if world > 1:
@@ -170,12 +173,14 @@ def verify_shared(path: Path) -> None:
     if problem is not None:
         unsafe, message = problem
         raise (UnsafeCheckpoint if unsafe else DamagedCheckpoint)(message)
+    return payload
 
 
-def _check_structure(path: Path, with_sums: bool) -> None:
+def _check_structure(path: Path, with_sums: bool) -> Any:
     """What a crash, a full disk or a partial copy leaves: unreadable metadata or
     ``extra``, a missing or short shard file, a lost checksum file; and any file that
-    would run code when loaded (``UnsafeCheckpoint``, raised as it is)."""
+    would run code when loaded (``UnsafeCheckpoint``, raised as it is). Returns what
+    ``extra`` holds (None without one)."""
     try:
         metadata = safe_load.read_metadata(path / safe_load.METADATA_FILE)
         needed: dict[str, int] = {}
@@ -208,13 +213,15 @@ def _check_structure(path: Path, with_sums: bool) -> None:
             f"a non-tensor item of {path} is unreadable ({type(e).__name__})"
         ) from None
     extra = path / EXTRA_FILE
-    if extra.exists():
-        payload = read_extra(extra)
-        saved_with_sums = isinstance(payload, dict) and payload.get("format", 1) >= 2
-        if saved_with_sums and not with_sums:
-            raise DamagedCheckpoint(
-                f"{path / CHECKSUM_FILE} is missing (the checkpoint was saved with it)"
-            )
+    if not extra.exists():
+        return None
+    payload = read_extra(extra)
+    saved_with_sums = isinstance(payload, dict) and payload.get("format", 1) >= 2
+    if saved_with_sums and not with_sums:
+        raise DamagedCheckpoint(
+            f"{path / CHECKSUM_FILE} is missing (the checkpoint was saved with it)"
+        )
+    return payload
 
 
 def read_extra(file: Path) -> Any:
