@@ -112,7 +112,45 @@ def test_sample_prints_a_continuation(reference: Path, nproc: str) -> None:
         cwd=reference.parent,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.startswith("def ") and len(r.stdout.rstrip("\n")) >= 4 + 1
+    # What sample must print: the prompt and the 16 bytes the run's latest checkpoint
+    # samples after it at the defaults (seed 0, temperature 0.8, top-k 40), decoded as
+    # sample decodes them, then a newline; computed here in one process from the
+    # checkpoint itself. At 2 ranks every rank samples the same tokens (same seed).
+    assert r.stdout == _expected_sample(reference / "checkpoints" / "step_000024") + "\n"
+    source = [line for line in r.stderr.splitlines() if line.startswith("# ")]
+    assert source == [f"# tiny at step 24, from {reference / 'checkpoints' / 'step_000024'}"], (
+        r.stderr
+    )
+
+
+def _expected_sample(ckpt: Path) -> str:
+    import warnings
+
+    import torch
+
+    from shardwise import checkpoint
+    from shardwise_app.models.gpt import GPT, GPTConfig, generate
+
+    config = json.loads((ckpt.parent.parent / "config.json").read_text())
+    cfg = GPTConfig(**config["model_config"])
+    model = GPT(cfg)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        checkpoint.load(str(ckpt), model)
+    model.eval()
+    prompt = torch.tensor([list(b"def ")])
+    with torch.no_grad():
+        out = generate(
+            model,
+            prompt,
+            16,
+            seq_len=cfg.seq_len,
+            temperature=0.8,
+            top_k=40,
+            generator=torch.Generator().manual_seed(0),
+        )
+    assert out.shape == (1, 4 + 16)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import env, rows, shardwise
+from dist_utils import free_port
 
 FLAGS = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-every", "2"]
 
@@ -35,12 +35,6 @@ def run_on(cpus: list[int], *args: str, cwd: Path, log: Path) -> subprocess.Pope
             start_new_session=True,
             preexec_fn=lambda: os.sched_setaffinity(0, cpus),
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(420)

@@ -91,8 +91,13 @@ def same_history(results: Results, case: str) -> None:
     a, b = results["shardwise"][case][1], results["fsdp2"][case][1]
     if a is None or b is None:
         pytest.skip("one side failed (its own test says why)")
+    # Equal, non-empty histories first: zip alone would pass a short or empty one.
+    assert a and a.keys() == b.keys(), f"{case}: shardwise records {sorted(a)}, FSDP2 {sorted(b)}"
     for key in a:
-        for step, (x, y) in enumerate(zip(a[key], b[key])):
+        assert len(a[key]) == len(b[key]) > 0, (
+            f"{case}: {key} has {len(a[key])} steps under shardwise, {len(b[key])} under FSDP2"
+        )
+        for step, (x, y) in enumerate(zip(a[key], b[key], strict=True)):
             assert math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6), (
                 f"{case}: {key} at step {step}: shardwise {x}, FSDP2 {y}"
             )

@@ -199,7 +199,8 @@ def train(rank: int, world: int, impl: str, backend: str, loss: str, ac: str, mi
         if backend != "full_dtensor":  # a full_dtensor loss is already the global sum
             dist.all_reduce(total)
         losses.append(total.item())
-    for i, (got, want) in enumerate(zip(norms, ref["grad_norm"])):
+    assert len(norms) == len(ref["grad_norm"]) == STEPS, (len(norms), len(ref["grad_norm"]))
+    for i, (got, want) in enumerate(zip(norms, ref["grad_norm"], strict=True)):
         close(got, want, f"step {i} grad norm (one process: {want:.4f})")
     assert min(norms) > cfg.training.max_norm, "the norm never exceeded max_norm: no clipping"
     close(losses, ref["loss"], "losses")

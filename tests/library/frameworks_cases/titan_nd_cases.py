@@ -324,7 +324,8 @@ def train(
         total = total if holds else torch.zeros(())
         dist.all_reduce(total)
         losses.append(total.item())
-    for i, (got, want) in enumerate(zip(norms, ref["grad_norm"])):
+    assert len(norms) == len(ref["grad_norm"]) == STEPS, (len(norms), len(ref["grad_norm"]))
+    for i, (got, want) in enumerate(zip(norms, ref["grad_norm"], strict=True)):
         close(got, want, f"step {i} grad norm (one process: {want:.4f})")
     assert min(norms) > 1.0, "the norm never exceeded max_norm: no clipping"
     close(losses, ref["loss"], "losses")
