@@ -94,6 +94,9 @@ TRANSITIONS: dict[tuple[Stage, Event], Stage] = {
     # sums, HSDP sums held back; pipelining's reduce after the microbatches)
     (S.IDLE, E.REDUCE): S.REDUCED,
     (S.AFTER_FORWARD, E.REDUCE): S.REDUCED,
+    # reduced in this backward, and at its end again: HSDP sums held back from an
+    # earlier microbatch's all-reduce, which is on again (root.end_of_backward)
+    (S.REDUCED, E.REDUCE): S.REDUCED,
     (S.REDUCED, E.STEP): S.STEPPED,
     # Whatever the backward did or did not reach (HELD: it raised in between). Not
     # FORWARD: a backward that ends while a module's forward runs is refused.
@@ -132,6 +135,13 @@ GROUP_TRANSITIONS: frozenset[tuple[GroupState, GroupState]] = frozenset(
 def next_stage(label: str, stage: Stage, event: Event, events: object = ()) -> Stage:
     """The stage ``event`` takes a module in ``stage`` to, or ``LifecycleError``."""
     new = TRANSITIONS.get((stage, event))
+    if new is None and stage is S.STEPPED:
+        raise LifecycleError(
+            f"module {label!r} is needed again ({event.value}) in the backward that already "
+            "stepped it (optimizer_in_backward): it runs in two reentrant-checkpointed "
+            "regions, so its gradients would be computed with stepped parameters; use "
+            "use_reentrant=False there, or remove() the handle"
+        )
     if new is None:
         raise LifecycleError(
             f"module {label!r}: {event.value} is not allowed while it is {stage.name}; "

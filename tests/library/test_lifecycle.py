@@ -176,6 +176,13 @@ def _steps() -> dict[str, Callable[[], None]]:
         with torch.no_grad():
             net(_x())  # ...is dropped by the next forward
 
+    def hsdp_sums_held_back() -> None:
+        net = _model(mesh=shardwise.hsdp_mesh(2))
+        net.set_requires_all_reduce(False)  # type: ignore[operator]
+        net(_x()).backward()
+        net.set_requires_all_reduce(True)  # type: ignore[operator]
+        net(_x()).backward()  # reduced, then reduced again for the sums held back
+
     def one_rank_shards() -> None:
         world = torch.distributed.get_world_size()
         mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
@@ -218,6 +225,7 @@ def _steps() -> dict[str, Callable[[], None]]:
         "held_by_a_reentrant_region": held,
         "accumulation": accumulation,
         "one_rank_shards": one_rank_shards,
+        "hsdp_sums_held_back": hsdp_sums_held_back,
         "stepped_in_backward": stepped_in_backward,
         "backward_raises": backward_raises,
     }
