@@ -202,7 +202,8 @@ class Outcome:
 
 def classify(cfg: Config, results: list[dict[str, Any]]) -> Outcome:
     """One outcome from the ranks' results. A refusal counts only if every rank refused
-    (one rank refusing while its peers wait in a collective is a hang, a crash)."""
+    (one rank refusing while its peers wait in a collective is a hang, a crash), but for
+    a pipeline stage refused before any collective while its peers wait on a receive."""
     seconds = max(r.get("seconds", 0.0) for r in results)
     statuses = [r["status"] for r in results]
     first = results[0]
@@ -210,6 +211,16 @@ def classify(cfg: Config, results: list[dict[str, Any]]) -> Outcome:
     if set(statuses) == {"ok", "diverged"}:  # a pipeline rank's own stages differ
         first = next(r for r in results if r["status"] == "diverged")
         statuses = ["diverged"] * len(results)
+    if (
+        cfg.family == "pipe"
+        and "refused" in statuses
+        and all(r["status"] == "refused" or "timed out" in r["detail"].lower() for r in results)
+    ):
+        # A pipeline stage refused at its first forward, before any collective of ours:
+        # its pipeline peers, waiting on that stage's first message, time out in torch's
+        # receive (what a launcher then stops). The refusal is the outcome.
+        refused = next(r for r in results if r["status"] == "refused")
+        return Outcome(cfg, "refused", refused["detail"], fs["fsdp2"], fs["fsdp2_detail"], seconds)
     if "crashed" in statuses or len(set(statuses)) > 1:
         crashed = [r for r in results if r["status"] == "crashed"] or [first]
         # A rank that failed leaves its peers timing out in a collective: its error is the one.
