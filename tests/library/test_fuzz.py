@@ -36,17 +36,38 @@ SEEDS = 24
 # that has every feature of an entry may diverge without failing test_fixed_seeds. Each
 # entry is itself a composition that diverges today (benchmarks/fuzz.py's reproducers);
 # test_known_still_diverge fails once one no longer does, so that it is taken off.
-ZERO_BUBBLE = "issue 56 item 2: zero-bubble schedules lose or miscount gradients"
 KNOWN: list[tuple[Config, str]] = [
-    (Config(family="pipe", world=4, schedule="InterleavedZeroBubble"), ZERO_BUBBLE),
-    (Config(family="pipe", world=4, schedule="ZBVZeroBubble", stages_per_rank=2), ZERO_BUBBLE),
-    (Config(family="pipe", world=4, schedule="DualPipeV", stages_per_rank=2), ZERO_BUBBLE),
     (
         Config(blocks=1, opt_in_bwd=True, clip="torch", steps=1),
         "README: under optimizer_in_backward torch's clip_grad_norm_ finds no gradients and "
         "clips nothing, silently (shardwise's refuses)",
     ),
 ]
+
+# What the fuzzer found and issue 56 fixed, as it reported them (its minimal
+# reproducers, 2026-12-07), with what each gives now. The split-backward schedules lost
+# or miscounted weight gradients: resharded after forward (the fuzzer's default) they
+# are refused at the stage's first forward; kept gathered they equal one process, also
+# with 3 and 4 stages a rank (the runtime regathers a stage between microbatches).
+PIPE = {"family": "pipe", "world": 4}
+FIXED: dict[str, tuple[Config, str]] = {
+    "interleaved-zero-bubble-resharded": (
+        Config(**PIPE, schedule="InterleavedZeroBubble"), "refused"),  # type: ignore[arg-type]
+    "interleaved-zero-bubble-3-a-rank-resharded": (
+        Config(**PIPE, schedule="InterleavedZeroBubble", stages_per_rank=3), "refused"),  # type: ignore[arg-type]
+    "interleaved-zero-bubble-4-a-rank-kept": (
+        Config(**PIPE, schedule="InterleavedZeroBubble", stages_per_rank=4, raf=False), "ok"),  # type: ignore[arg-type]
+    "interleaved-zero-bubble-3-a-rank-kept": (
+        Config(**PIPE, schedule="InterleavedZeroBubble", stages_per_rank=3, raf=False), "ok"),  # type: ignore[arg-type]
+    "zbv-zero-bubble-resharded": (
+        Config(**PIPE, schedule="ZBVZeroBubble", stages_per_rank=2), "refused"),  # type: ignore[arg-type]
+    "zbv-zero-bubble-kept": (
+        Config(**PIPE, schedule="ZBVZeroBubble", stages_per_rank=2, raf=False), "ok"),  # type: ignore[arg-type]
+    "dualpipev-resharded": (
+        Config(**PIPE, schedule="DualPipeV", stages_per_rank=2), "refused"),  # type: ignore[arg-type]
+    "dualpipev-kept": (
+        Config(**PIPE, schedule="DualPipeV", stages_per_rank=2, raf=False), "ok"),  # type: ignore[arg-type]
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +106,13 @@ def test_known_still_diverge(pool: Pool, case: int) -> None:
     assert out.kind.startswith("diverged"), (
         f"KNOWN entry {cfg.describe()} ({why}) no longer diverges ({out.line()}): take it off"
     )
+
+
+@pytest.mark.parametrize("name", list(FIXED))
+def test_fuzzer_findings_stay_fixed(pool: Pool, name: str) -> None:
+    cfg, want = FIXED[name]
+    out = run_in(pool, cfg)
+    assert out.kind == want, f"{cfg.describe()}: {out.line()} (want {want})"
 
 
 CONTROLS = {
