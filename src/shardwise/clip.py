@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from . import collectives
 from .flat_shard import local_of
-from .step_in_backward import MARK
+from .step_in_backward import refuse_stepped_in_backward
 
 
 def _copies(g: torch.Tensor, world: int) -> int:
@@ -52,13 +52,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients in place to total norm ``max_norm``; return the total norm (plain tensor)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    stepped = [p for p in params if getattr(p, MARK, False)]
-    if stepped:
-        raise RuntimeError(
-            f"clip_grad_norm_: {len(stepped)} of these parameters step inside backward "
-            "(optimizer_in_backward), so their gradients are applied and gone before any "
-            "clipping could see them all; remove() the handle to clip, or do not clip"
-        )
+    refuse_stepped_in_backward(params)
     grads = [p.grad for p in params if p.grad is not None]
     world = collectives.world_size()
     locals_ = [local_of(g) for g in grads]

@@ -137,8 +137,8 @@ def next_stage(label: str, stage: Stage, event: Event, events: object = ()) -> S
     new = TRANSITIONS.get((stage, event))
     if new is None and stage is S.STEPPED:
         raise LifecycleError(
-            f"module {label!r} is needed again ({event.value}) in the backward that already "
-            "stepped it (optimizer_in_backward): it runs in two reentrant-checkpointed "
+            f"module {label!r} is needed again in the backward that already stepped it "
+            f"(optimizer_in_backward; at its {event.value}): it runs in two reentrant-checkpointed "
             "regions, so its gradients would be computed with stepped parameters; use "
             "use_reentrant=False there, or remove() the handle"
         )

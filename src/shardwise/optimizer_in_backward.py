@@ -50,7 +50,7 @@ from . import root
 from .fsdp_module import FSDPModule
 from .module import ModuleState
 from .param_group import ParamGroup
-from .step_in_backward import ELEMENTWISE, MARK, StepInBackward
+from .step_in_backward import ELEMENTWISE, MARK, StepInBackward, TorchClipGuard
 
 __all__ = ["ELEMENTWISE", "MARK", "OptimizerInBackward", "optimizer_in_backward"]
 
@@ -72,6 +72,8 @@ class OptimizerInBackward(StepInBackward):
             g.step_in_backward = self
             for sp in g.params:
                 setattr(sp.sharded, MARK, True)
+        TorchClipGuard.acquire()  # torch's clip refuses these parameters, as ours does
+        self._guarded = True
         # A backward that raised leaves steps queued on the worker: whatever the
         # caller does next with the optimizer or the state waits for them first.
         settle = lambda *args, **kwargs: self.settle()  # noqa: E731
@@ -94,6 +96,9 @@ class OptimizerInBackward(StepInBackward):
                     if hasattr(sp.sharded, MARK):
                         delattr(sp.sharded, MARK)
         self.groups = []
+        if self._guarded:
+            self._guarded = False
+            TorchClipGuard.release()
 
     def settle(self) -> None:
         """Outside autograd, a context still in BACKWARD belongs to a backward that

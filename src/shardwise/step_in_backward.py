@@ -223,3 +223,52 @@ def _step_locals(
 def _like(v: torch.Tensor, local_param: torch.Tensor, key: str) -> bool:
     """State shaped as the parameter's shard (moments, buffers), not a step count."""
     return key != "step" and v.shape == local_param.shape and v.dtype.is_floating_point
+
+
+def refuse_stepped_in_backward(params: list[torch.Tensor]) -> None:
+    """One error where a clip would see parameters optimizer_in_backward steps: their
+    gradients were applied and dropped in backward, so nothing is left to clip."""
+    stepped = [p for p in params if getattr(p, MARK, False)]
+    if stepped:
+        raise RuntimeError(
+            f"clip_grad_norm_: {len(stepped)} of these parameters step inside backward "
+            "(optimizer_in_backward), so their gradients are applied and gone before any "
+            "clipping could see them all; remove() the handle to clip, or do not clip"
+        )
+
+
+class TorchClipGuard:
+    """torch's ``clip_grad_norm_``, refusing as ours does while an optimizer_in_backward
+    handle is active: it would find no gradients on those parameters and clip nothing,
+    silently (the differential fuzzer's one shardwise-only finding). Installed on
+    ``torch.nn.utils`` (and ``torch.nn.utils.clip_grad``) by the first handle, restored
+    when the last is removed; a name bound before that is torch's own.
+
+    Alternatives considered: keeping ``.grad`` for torch's clip to read would hold the
+    gradients optimizer_in_backward exists to free; a warning would still clip nothing.
+    """
+
+    active = 0
+    _original: Any = None
+
+    @classmethod
+    def acquire(cls) -> None:
+        if cls.active == 0:
+            cls._original = torch.nn.utils.clip_grad_norm_
+            torch.nn.utils.clip_grad_norm_ = cls._guarded  # type: ignore[assignment]
+            torch.nn.utils.clip_grad.clip_grad_norm_ = cls._guarded  # type: ignore[assignment]
+        cls.active += 1
+
+    @classmethod
+    def release(cls) -> None:
+        cls.active -= 1
+        if cls.active == 0 and cls._original is not None:
+            torch.nn.utils.clip_grad_norm_ = cls._original
+            torch.nn.utils.clip_grad.clip_grad_norm_ = cls._original
+            cls._original = None
+
+    @staticmethod
+    def _guarded(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        refuse_stepped_in_backward(params)
+        return TorchClipGuard._original(params, *args, **kwargs)

@@ -36,13 +36,7 @@ SEEDS = 24
 # that has every feature of an entry may diverge without failing test_fixed_seeds. Each
 # entry is itself a composition that diverges today (benchmarks/fuzz.py's reproducers);
 # test_known_still_diverge fails once one no longer does, so that it is taken off.
-KNOWN: list[tuple[Config, str]] = [
-    (
-        Config(blocks=1, opt_in_bwd=True, clip="torch", steps=1),
-        "README: under optimizer_in_backward torch's clip_grad_norm_ finds no gradients and "
-        "clips nothing, silently (shardwise's refuses)",
-    ),
-]
+KNOWN: list[tuple[Config, str]] = []
 
 # What the fuzzer found and issue 56 fixed, as it reported them (its minimal
 # reproducers, 2026-12-07), with what each gives now. The split-backward schedules lost
@@ -65,6 +59,10 @@ FIXED: dict[str, tuple[Config, str]] = {
         Config(**PIPE, schedule="ZBVZeroBubble", stages_per_rank=2, raf=False), "ok"),  # type: ignore[arg-type]
     "dualpipev-resharded": (
         Config(**PIPE, schedule="DualPipeV", stages_per_rank=2), "refused"),  # type: ignore[arg-type]
+    # torch's clip under optimizer_in_backward found no gradients and clipped nothing:
+    # refused now, as shardwise's clip is (step_in_backward.TorchClipGuard)
+    "torch-clip-under-optimizer-in-backward": (
+        Config(blocks=1, opt_in_bwd=True, clip="torch", steps=1), "refused"),
     "dualpipev-kept": (
         Config(**PIPE, schedule="DualPipeV", stages_per_rank=2, raf=False), "ok"),  # type: ignore[arg-type]
 }  # fmt: skip

@@ -153,10 +153,18 @@ def check_load_state_dict_and_remove(rank: int, world: int) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, atol=1e-5, rtol=1e-5, msg=name)
     assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {2}
+    # torch's clip would find no gradients and clip nothing, silently: refused like ours
+    # (the differential fuzzer's finding), by either name torch exports it under.
+    for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_):
+        with pytest.raises(RuntimeError, match="step inside backward"):
+            clip(model.parameters(), 1.0)
     handle.remove()
     loss_fn(model, first.chunk(world)[rank]).backward()
     assert all(p.grad is not None for p in model.parameters()), "remove() left steps in backward"
     shardwise.clip_grad_norm_(model.parameters(), 1.0)  # allowed again
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # torch's own again
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
+    assert float(norm.full_tensor() if isinstance(norm, DTensor) else norm) > 0
 
 
 class Failing(torch.optim.SGD):
