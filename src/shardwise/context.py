@@ -32,8 +32,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 import torch.nn as nn
 
-from . import offload
-from .lifecycle import Event, Stage, next_stage
+from . import lifecycle, offload
+from .lifecycle import TRANSITIONS, Event, Stage, next_stage
 from .mesh_part import Reduction
 from .param_group import ParamGroup
 from .settings import GroupSettings
@@ -175,9 +175,12 @@ class ModuleLifecycle:
     def on(self, event: Event) -> None:
         """Move to the stage ``event`` leads to (lifecycle.py's table), or raise
         ``LifecycleError`` naming this module, its stage and the event."""
-        self.stage = next_stage(
-            self.label, self.stage, event, self.context.events if self.context else ()
-        )
+        new = TRANSITIONS.get((self.stage, event))
+        if new is None or lifecycle.observed is not None:  # refused, or a test records
+            new = next_stage(
+                self.label, self.stage, event, self.context.events if self.context else ()
+            )
+        self.stage = new
 
     def reshard_now(self, keep: bool = False) -> None:
         """Free what is gathered; ``keep``: after forward, what backward gathers from."""

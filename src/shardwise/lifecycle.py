@@ -34,7 +34,15 @@ class LifecycleError(RuntimeError):
     """A module broke the unshard/reshard lifecycle; the message says where and how."""
 
 
-class Stage(Enum):
+class _State(Enum):
+    """An enum hashed by identity: members are singletons, and Enum's own ``__hash__``
+    (a Python call hashing the name) is most of a table lookup's cost, paid on every
+    event of every module of every step."""
+
+    __hash__ = object.__hash__
+
+
+class Stage(_State):
     """Where one sharded module is in the step."""
 
     IDLE = "idle"  # no forward of it waits for its backward
@@ -46,7 +54,7 @@ class Stage(Enum):
     STEPPED = "stepped"  # optimizer_in_backward stepped it: not to be gathered again
 
 
-class Event(Enum):
+class Event(_State):
     """What happens to a module, and who says so."""
 
     FORWARD = "pre-forward"  # module.py: its forward starts (or a root part's call)
@@ -106,7 +114,7 @@ TRANSITIONS: dict[tuple[Stage, Event], Stage] = {
 }
 
 
-class GroupState(Enum):
+class GroupState(_State):
     """What a group's parameters are in memory."""
 
     SHARDED = "sharded"
