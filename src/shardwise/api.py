@@ -18,10 +18,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import collectives, comm_policy, node_collectives, pipeline, placement
+from . import collectives, comm_policy, pipeline, placement
 from .comm_policy import CommPolicy
 from .extensions import Extension, has_hooks
-from .fsdp_module import FSDPModule
+from .fsdp_module import FSDPModule, apply_comm_policy
 from .module import ModuleState, outside_compile
 from .offload import OffloadPolicy, check_offload_policy
 from .param_group import ParamGroup
@@ -151,8 +151,8 @@ def fully_shard(
         )
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (modules gathered ahead), got {prefetch!r}")
-    raf, post_forward_size = _resolve_reshard(reshard_after_forward, mesh)
-    policy_set, post_forward_size = _comm_policy(comm_policy, mesh, post_forward_size)
+    raf, raf_size = _resolve_reshard(reshard_after_forward, mesh)
+    policy_set, post_forward_size = _comm_policy(comm_policy, mesh, raf_size)
     policy = _as_policy(mp_policy)
     offload = check_offload_policy(offload_policy, mesh)
     ignored = {id(p) for p in ignored_params or ()}
@@ -178,22 +178,22 @@ def fully_shard(
 
     if check is None:
         check = os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
-    # Made before anything changes: new_group can fail (a timeout, a backend).
-    smaller = post_forward_group(mesh, post_forward_size) if named and post_forward_size else None
-    if named and policy_set is not None:
-        _node_groups_for(policy_set, mesh)
+    # Made before anything changes: new_group can fail (a timeout, a backend). A
+    # node-local backward's group is the policy's (apply_comm_policy).
+    smaller = post_forward_group(mesh, raf_size) if named and raf_size else None
     settings = GroupSettings(
         mp_policy=policy or MixedPrecisionPolicy(),
         offload_policy=offload,
         prefetch=prefetch,
         reshard_after_forward_setting=raf,
         reshard_after_forward=raf is not False,
-        comm_policy=policy_set,
+        post_forward_group=smaller,
     )
     state = ModuleState(modules, settings, label, bool(check))
     if named:
         state.group = ParamGroup(named, mesh, settings, label, tp, dims, meshes)
-        state.group.use_post_forward_group(smaller)
+        if policy_set is not None:
+            apply_comm_policy([state], policy_set, f"fully_shard({label})")
         _groups.add(state.group)
     for _, p, _ in named:
         _taken[id(p)] = weakref.ref(p)
@@ -240,16 +240,6 @@ def _comm_policy(
             )
         post_forward_size = node
     return policy, post_forward_size
-
-
-def _node_groups_for(policy: CommPolicy, mesh: DeviceMesh) -> None:
-    """Make the hierarchical reduction's node and cross groups now (a collective over
-    the shard group), so that a failure comes before anything changed and none is
-    made in the middle of a backward."""
-    world = mesh.size(mesh.ndim - 1)
-    node = policy.node_size
-    if policy.quantize_reduce and node is not None and 1 < node < world:
-        node_collectives.node_groups(mesh.get_group(mesh.ndim - 1), node)
 
 
 def _check_mesh_parts(label: str, spmd: bool, post_forward_size: int, named: list[Any]) -> None:

@@ -50,8 +50,8 @@ from torch.distributed.tensor.placement_types import Placement
 from . import offload
 from .extensions import Extension, has_hooks
 from .labels import label
-from .precision import resolve_dtypes
-from .settings import GroupSettings
+from .offload import CPUOffloadPolicy
+from .precision import MixedPrecisionPolicy, resolve_dtypes
 from .sharded_param import ShardedParam
 from .tensor_parallel import TPLayout, contiguous_stride
 
@@ -89,25 +89,27 @@ class FlatShard:
         named: Sequence[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
         mesh: DeviceMesh,
         device: torch.device,
-        settings: GroupSettings,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: CPUOffloadPolicy | None,
         name: str,
         tp: Sequence[TPLayout | None] | None = None,
         dims: Sequence[int] | None = None,
     ) -> None:
         """``device``: where gathered parameters live (the shards too, unless
-        offloaded); ``settings``: the group's (its mixed-precision and offload
-        policies); ``name``: the group's label; ``tp[i]``: how tensor parallelism
+        offloaded); ``mp_policy``, ``offload_policy``: the group's (fixed by
+        ``fully_shard``); ``name``: the group's label; ``tp[i]``: how tensor parallelism
         split ``named[i]`` (None: a plain parameter); ``dims[i]``: the dimension
         it is split along (default 0)."""
         self.mesh = mesh
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.device = device
-        self.settings = settings
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
         self.label = name
         self.orig_dtype = named[0][1].dtype
         # Derived from the policy and the shards' dtype (which model.to(dtype) changes).
-        self.compute_dtype, self.reduce_dtype = resolve_dtypes(settings.mp_policy, self.orig_dtype)
+        self.compute_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
         layouts = list(tp) if tp is not None else [None] * len(named)
         self.has_tp = any(t is not None for t in layouts)
         self.params: list[ShardedParam] = []
@@ -136,7 +138,7 @@ class FlatShard:
         """Where the shards of parameters now on ``src`` go."""
         if src.type == "meta":
             return src
-        return torch.device("cpu") if self.settings.offload_policy is not None else self.device
+        return torch.device("cpu") if self.offload_policy is not None else self.device
 
     def _shard(self, named: Sequence[tuple[str, nn.Parameter, Any]]) -> None:
         """Copy this rank's rows of each parameter into a fresh flat shard.
@@ -231,9 +233,9 @@ class FlatShard:
         )
 
     def _new_flat(self, device: torch.device) -> torch.Tensor:
-        if self.settings.offload_policy is not None and device.type == "cpu":
+        if self.offload_policy is not None and device.type == "cpu":
             return offload.host_buffer(
-                self.shard_numel, self.orig_dtype, self.settings.offload_policy.pin_memory
+                self.shard_numel, self.orig_dtype, self.offload_policy.pin_memory
             )
         return torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=device)
 
@@ -241,14 +243,14 @@ class FlatShard:
         return self.flat[sp.offset : sp.offset + sp.local_numel].view(sp.local_shape)
 
     def _make_unsharded_views(self, device: torch.device) -> None:
-        if self.settings.offload_policy is not None and device.type != "meta":
+        if self.offload_policy is not None and device.type != "meta":
             device = self.device  # gathered on the GPU, from shards in host memory
         # One rank in the parameters' own dtype: the shards are the whole
         # parameters, so the unsharded forms simply alias them.
         self.aliased = (
             self.world == 1
             and self.compute_dtype == self.orig_dtype
-            and self.settings.offload_policy is None
+            and self.offload_policy is None
             and not self.self_gathering
         )
         # Where each parameter starts in the unsharded buffer. Parameters that
@@ -312,7 +314,7 @@ class FlatShard:
         """
         first = local_of(self.params[0].sharded)
         # Offloaded shards go back to host memory (to_empty(device="cuda") moved them).
-        device = self._device_for(first.device) if self.settings.offload_policy else first.device
+        device = self._device_for(first.device) if self.offload_policy else first.device
         dtypes = {local_of(sp.sharded).dtype for sp in self.params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -323,9 +325,7 @@ class FlatShard:
             )
         if first.dtype != self.orig_dtype:  # model.to(torch.bfloat16): the shards' new dtype
             self.orig_dtype = first.dtype
-            self.compute_dtype, self.reduce_dtype = resolve_dtypes(
-                self.settings.mp_policy, first.dtype
-            )
+            self.compute_dtype, self.reduce_dtype = resolve_dtypes(self.mp_policy, first.dtype)
         self.flat = self._new_flat(device)
         self.shard_locals = []
         for sp in self.params:

@@ -115,18 +115,18 @@ class FSDPModule(_TorchFSDPModule):
                 f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}"
             )
         for s in self._sharded_states(recurse):
-            s.settings.reshard_after_forward = s.settings.reshard_after_forward_setting = (
-                reshard_after_forward
+            s.change_settings(
+                reshard_after_forward=reshard_after_forward,
+                reshard_after_forward_setting=reshard_after_forward,
+                post_forward_group=None,  # as FSDP2: a bool replaces an int
             )
-            if s.group is not None:
-                s.group.use_post_forward_group(None)  # as FSDP2: a bool replaces an int
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """Keep parameters gathered after backward (e.g. between accumulation microbatches)."""
         for s in self._sharded_states(recurse):
-            s.settings.reshard_after_backward = reshard_after_backward
+            s.change_settings(reshard_after_backward=reshard_after_backward)
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -138,16 +138,20 @@ class FSDPModule(_TorchFSDPModule):
             )
         for s in self._sharded_states(recurse):
             if s.group is not None:
-                s.settings.requires_gradient_sync = requires_gradient_sync
+                s.change_settings(requires_gradient_sync=requires_gradient_sync)
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         return [s.group for s in self._sharded_states(recurse) if s.group is not None]
 
+    def _with_groups(self, recurse: bool) -> list[ModuleState]:
+        """The sharded modules with parameters (a group), this one's or all under it."""
+        return [s for s in self._sharded_states(recurse) if s.group is not None]
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: backward needs none of this module's parameters (an embedding);
         its pre-backward then gathers nothing."""
-        self._shardwise_state.settings.unshard_in_backward = _bool(
-            "set_unshard_in_backward", unshard_in_backward
+        self._shardwise_state.change_settings(
+            unshard_in_backward=_bool("set_unshard_in_backward", unshard_in_backward)
         )
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -157,8 +161,8 @@ class FSDPModule(_TorchFSDPModule):
         sum, then divide, where FSDP2 needs ``PREMUL_SUM``."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor expects a number > 0, got {factor!r}")
-        for g in self._groups(recurse=False):
-            g.settings.divide_factor = float(factor)
+        for s in self._with_groups(recurse=False):
+            s.change_settings(divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 for ``set_gradient_divide_factor``; the same here."""
@@ -173,8 +177,8 @@ class FSDPModule(_TorchFSDPModule):
         """True: this module's reduce-scatters use SUM and divide afterwards, never
         NCCL's ReduceOp.AVG (NCCL's zero-copy transfers need SUM). gloo always sums."""
         flag = _bool("set_force_sum_reduction_for_comms", enable)
-        for g in self._groups(recurse=False):
-            g.settings.force_sum = flag
+        for s in self._with_groups(recurse=False):
+            s.change_settings(force_sum=flag)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves its reductions in flight (more microbatches
@@ -191,8 +195,8 @@ class FSDPModule(_TorchFSDPModule):
         all-reduce (accumulating microbatches); the next backward with True
         all-reduces them together and only then sets ``.grad``."""
         flag = _bool("set_requires_all_reduce", requires_all_reduce)
-        for g in self._groups(recurse):
-            g.settings.requires_all_reduce = flag
+        for s in self._with_groups(recurse):
+            s.change_settings(requires_all_reduce=flag)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -200,8 +204,8 @@ class FSDPModule(_TorchFSDPModule):
         """True: every trainable parameter gets a gradient on every rank, also where a
         rank did not use it (the mean over all ranks, zeros from those that did not)."""
         flag = _bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
-        for g in self._groups(recurse):
-            g.settings.reduce_scatter_unused = flag
+        for s in self._with_groups(recurse):
+            s.change_settings(reduce_scatter_unused=flag)
 
     def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
         """``hook(reduced)`` runs on this module's reduced gradient shard (after the
@@ -209,8 +213,8 @@ class FSDPModule(_TorchFSDPModule):
         is set. As in FSDP2 it applies to this module only."""
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable, got {hook!r}")
-        for g in self._groups(recurse=False):
-            g.settings.all_reduce_hook = hook
+        for s in self._with_groups(recurse=False):
+            s.change_settings(all_reduce_hook=hook)
 
     def set_post_optim_event(self, event: Any) -> None:
         """An event recorded after the optimizer step: the next forward's gathers wait
@@ -230,8 +234,8 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"set_custom_all_gather expects a callable, got {comm!r}")
         _no_comm_alloc(self._groups(recurse=False), "set_custom_all_gather")
         _one_mesh(self._groups(recurse=False), "set_custom_all_gather")
-        for g in self._groups(recurse=False):
-            g.use_custom_all_gather(comm)
+        for s in self._with_groups(recurse=False):
+            s.change_settings(custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """``comm(output_tensor=, input_tensor=, group=, op=, async_op=)`` sums this
@@ -240,8 +244,8 @@ class FSDPModule(_TorchFSDPModule):
             raise TypeError(f"set_custom_reduce_scatter expects a callable, got {comm!r}")
         _no_comm_alloc(self._groups(recurse=False), "set_custom_reduce_scatter")
         _one_mesh(self._groups(recurse=False), "set_custom_reduce_scatter")
-        for g in self._groups(recurse=False):
-            g.settings.custom_reduce_scatter = comm
+        for s in self._with_groups(recurse=False):
+            s.change_settings(custom_reduce_scatter=comm)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -264,7 +268,7 @@ class FSDPModule(_TorchFSDPModule):
                 "more reductions in flight could exhaust; keep 1"
             )
         for s in states:
-            s.settings.max_reduces_in_flight = max_input_buffers
+            s.change_settings(max_reduces_in_flight=max_input_buffers)
 
     def set_comm_policy(self, policy: CommPolicy | None, *, recurse: bool = True) -> None:
         """Gather and reduce by ``policy`` from the next gather and reduction on (None:
@@ -273,33 +277,7 @@ class FSDPModule(_TorchFSDPModule):
         before any changes; a node-local backward replaces an int
         ``reshard_after_forward`` (as a bool does). The node size, where the policy names
         none, is the launcher's, as for ``fully_shard``."""
-        groups = self._groups(recurse)
-        checked: list[tuple[ParamGroup, CommPolicy | None]] = []
-        for g in groups:
-            if policy is None:
-                checked.append((g, None))
-                continue
-            derived = comm_policy.launcher_node_size(g.world)
-            ok = comm_policy.check(policy, g.world, torch.device(g.device.type), derived)
-            if ok.node_local_backward and not g.one_mesh:
-                raise ValueError(
-                    f"set_comm_policy: module {g.label!r} has parameters on several meshes "
-                    "(shard_placement_fn); node_local_backward's post-forward group is one mesh's"
-                )
-            checked.append((g, ok if ok.enabled else None))
-        # The node groups (collectives over the shard group) before any module changes.
-        for g, p in checked:
-            node = p.node_size if p is not None else None
-            if p is not None and node is not None and 1 < node < g.world:
-                node_collectives.node_groups(g.shard_group, node)
-        for g, p in checked:
-            node = p.node_size if p is not None else None
-            was = g.settings.comm_policy
-            if p is not None and p.node_local_backward and node is not None and node < g.world:
-                g.use_post_forward_group(node_collectives.node_groups(g.shard_group, node).node)
-            elif was is not None and was.node_local_backward:
-                g.use_post_forward_group(None)
-            g.use_comm_policy(p)
+        apply_comm_policy(self._with_groups(recurse), policy, "set_comm_policy")
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -307,10 +285,10 @@ class FSDPModule(_TorchFSDPModule):
         """Reduce-scatters on a process group of their own (over the same ranks), so
         they need not queue behind gathers on one communicator."""
         flag = _bool("set_separate_reduce_scatter_group", enable)
-        for g in self._groups(recurse):
-            g.settings.reduce_scatter_group = (
-                _separate_group(g.shard_group) if flag else g.shard_group
-            )
+        for s in self._with_groups(recurse):
+            assert s.group is not None
+            group = s.group.shard_group
+            s.change_settings(reduce_scatter_group=_separate_group(group) if flag else None)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Gather outputs and reduction buffers from the process group's own allocator
@@ -324,8 +302,8 @@ class FSDPModule(_TorchFSDPModule):
             allocators = [
                 collectives.process_group_allocator(g.shard_group, g.device) for g in groups
             ]
-        for i, g in enumerate(groups):
-            g.use_comm_alloc(allocators[i] if flag else None)
+        for i, s in enumerate(self._with_groups(recurse=False)):
+            s.change_settings(comm_alloc=allocators[i] if flag else None)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Gather outputs and reduction buffers in symmetric memory (NCCL only; refused
@@ -343,10 +321,11 @@ class FSDPModule(_TorchFSDPModule):
                 f"set_symm_mem_for_comm({backend!r}): symmetric memory needs NCCL, but this "
                 f"module's process group uses {actual}"
             )
-        groups = self._groups(recurse=False)
-        _no_custom_comm(groups, "set_symm_mem_for_comm")
-        for g in groups:
-            g.use_comm_alloc(collectives.symmetric_allocator(g.shard_group, g.device))
+        _no_custom_comm(self._groups(recurse=False), "set_symm_mem_for_comm")
+        for s in self._with_groups(recurse=False):
+            assert s.group is not None
+            g = s.group
+            s.change_settings(comm_alloc=collectives.symmetric_allocator(g.shard_group, g.device))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise RuntimeError(
@@ -515,3 +494,41 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
             raise ValueError(
                 f"share_comm_ctx expects modules sharded by fully_shard, got {type(m).__name__}"
             )
+
+
+def apply_comm_policy(states: list[ModuleState], policy: CommPolicy | None, what: str) -> None:
+    """The one place a communication policy is applied: ``fully_shard(comm_policy=)``
+    and ``set_comm_policy``. Checked for every module first; then the node groups
+    (a collective over each shard group: a failure comes before any module changed,
+    and none is made in the middle of a backward); then each module's settings.
+    A node-local backward gathers for backward over the node group; a policy
+    without one replaces the node-local backward of the one before."""
+    checked: list[tuple[ModuleState, CommPolicy | None]] = []
+    for s in states:
+        g = s.group
+        assert g is not None
+        if policy is None:
+            checked.append((s, None))
+            continue
+        derived = comm_policy.launcher_node_size(g.world)
+        ok = comm_policy.check(policy, g.world, torch.device(g.device.type), derived)
+        if ok.node_local_backward and not g.one_mesh:
+            raise ValueError(
+                f"{what}: module {g.label!r} has parameters on several meshes "
+                "(shard_placement_fn); node_local_backward's post-forward group is one mesh's"
+            )
+        checked.append((s, ok if ok.enabled else None))
+    for s, p in checked:
+        assert s.group is not None
+        if p is not None and p.node_size is not None and 1 < p.node_size < s.group.world:
+            node_collectives.node_groups(s.group.shard_group, p.node_size)
+    for s, p in checked:
+        assert s.group is not None
+        g, was = s.group, s.settings.comm_policy
+        changes: dict[str, Any] = {"comm_policy": p}
+        node = p.node_size if p is not None else None
+        if p is not None and p.node_local_backward and node is not None and node < g.world:
+            changes["post_forward_group"] = node_collectives.node_groups(g.shard_group, node).node
+        elif was is not None and was.node_local_backward:
+            changes["post_forward_group"] = None
+        s.change_settings(**changes)

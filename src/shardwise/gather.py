@@ -406,7 +406,7 @@ class PackedGather:
         for sp, local in zip(f.params, f.shard_locals):
             if sp.ext is not None:
                 module = sp.locations[0][0]
-                out.append(sp.ext.pre(local, f.mesh, sp.shape, module, f.settings.mp_policy))
+                out.append(sp.ext.pre(local, f.mesh, sp.shape, module, f.mp_policy))
             else:
                 out.append([local.to(f.compute_dtype)])
         return out

@@ -26,10 +26,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives, gather
+from . import collectives, gather, reduce
 from .flat_shard import FlatShard, local_of
-from .reduce import HeldBack, ReduceComm, ReduceJob
-from .settings import GroupSettings
+from .offload import CPUOffloadPolicy
+from .precision import MixedPrecisionPolicy
+from .reduce import HeldBack, ReduceComm, ReduceJob, ReduceSettings
 from .tensor_parallel import TPLayout
 
 
@@ -37,14 +38,10 @@ class MeshPart:
     """The parameters of a group on one mesh: ``layout.params``, group positions
     ``start`` to ``start + len(layout.params)``."""
 
-    def __init__(self, layout: FlatShard, mesh: DeviceMesh, start: int, first: bool) -> None:
-        """``first``: the part on the ``fully_shard`` call's mesh (or the only one),
-        to which the group-wide communication settings apply (a custom all-gather,
-        an allocator, a separate reduce-scatter group, a post-forward group)."""
+    def __init__(self, layout: FlatShard, mesh: DeviceMesh, start: int) -> None:
         self.layout = layout
         self.mesh = mesh
         self.start = start
-        self.first = first
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.held_back = HeldBack()  # HSDP sums held back from the all-reduce
@@ -52,6 +49,9 @@ class MeshPart:
         # across a change of strategy.
         self.packed = gather.PackedGather() if layout.self_gathering else None
         self.gather: gather.Gather | None = None
+        # How it reduce-scatters, and over what (``choose``).
+        self.scatter: reduce.Scatter | None = None
+        self.reduce_comm = ReduceComm(self.shard_group)
         self.pending: collectives.Pending | None = None
         for sp in layout.params:
             sp.pos = start + sp.index
@@ -60,17 +60,12 @@ class MeshPart:
     def stop(self) -> int:
         return self.start + len(self.layout.params)
 
-    def choose(self, settings: GroupSettings) -> None:
-        """Decide how this part gathers (gather.py), from the group's settings."""
-        comm = gather.GatherComm(
-            self.shard_group,
-            settings.custom_all_gather if self.first else None,
-            settings.comm_alloc if self.first else None,
-            settings.post_forward_group if self.first else None,
-            settings.offload_policy is not None,
-            settings.comm_policy if self.first else None,
-        )
-        self.gather = gather.choose(self.layout, comm, self.packed)
+    def choose(self, gather_comm: gather.GatherComm, reduce_comm: ReduceComm) -> None:
+        """Decide how this part gathers and reduce-scatters (gather.py, reduce.py),
+        over what the group says (``ParamGroup.choose_comm``)."""
+        self.gather = gather.choose(self.layout, gather_comm, self.packed)
+        self.reduce_comm = reduce_comm
+        self.scatter = reduce.choose(self.layout, reduce_comm)
 
     def replaced(self) -> bool:
         """Whether someone replaced the shards (``to_empty``, ``.to()``): repack."""
@@ -79,24 +74,9 @@ class MeshPart:
             for sp, t in zip(self.layout.params, self.layout.shard_locals)
         )
 
-    def reduce_comm(self, settings: GroupSettings) -> ReduceComm:
-        """What this part's reduction runs over, from the settings as they are now: the
-        first part's are the group-wide ones (a separate reduce-scatter group, a user's
-        reduce-scatter, an allocator, the communication policy, whose node groups are
-        made for its shard group); another part reduce-scatters over its own mesh's
-        group, plainly."""
-        if not self.first:
-            return ReduceComm(self.shard_group)
-        return ReduceComm(
-            settings.reduce_scatter_group,
-            settings.custom_reduce_scatter,
-            settings.comm_alloc,
-            settings.comm_policy,
-        )
-
     def reduce(
         self,
-        settings: GroupSettings,
+        settings: ReduceSettings,
         grads: Sequence[torch.Tensor | None],
         used: Sequence[bool],
         last_backward: bool,
@@ -115,10 +95,12 @@ class MeshPart:
             and not any(sp.sharded.requires_grad for sp in self.layout.params)
         ):
             return None
-        return ReduceJob(
+        assert self.scatter is not None
+        job = ReduceJob(
             self.layout,
             settings,
-            self.reduce_comm(settings),
+            self.reduce_comm,
+            self.scatter,
             self.replicate_group,
             self.held_back,
             list(grads[self.start : self.stop]),
@@ -126,6 +108,8 @@ class MeshPart:
             last_backward,
             downloads,
         )
+        job.issue()
+        return job
 
 
 class Reductions:
@@ -199,7 +183,8 @@ def split_by_mesh(
     mesh: DeviceMesh,
     meshes: Sequence[DeviceMesh] | None,
     device: torch.device,
-    settings: GroupSettings,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: CPUOffloadPolicy | None,
     label: str,
     tp: Sequence[TPLayout | None] | None,
     dims: Sequence[int] | None,
@@ -207,8 +192,9 @@ def split_by_mesh(
     """One part per mesh: the call's mesh first, then the others in the order their
     first parameter comes (the same on every rank: the order of the module's
     parameters)."""
+    policies = (mp_policy, offload_policy)
     if meshes is None:
-        return [MeshPart(FlatShard(named, mesh, device, settings, label, tp, dims), mesh, 0, True)]
+        return [MeshPart(FlatShard(named, mesh, device, *policies, label, tp, dims), mesh, 0)]
     order: list[DeviceMesh] = [mesh] if any(m == mesh for m in meshes) else []
     for m in meshes:
         if not any(m == o for o in order):
@@ -221,12 +207,12 @@ def split_by_mesh(
             [named[i] for i in idx],
             m,
             device,
-            settings,
+            *policies,
             label,
             None if tp is None else [tp[i] for i in idx],
             None if dims is None else [dims[i] for i in idx],
         )
-        parts.append(MeshPart(layout, m, start, first=not parts))
+        parts.append(MeshPart(layout, m, start))
         start += len(idx)
     return parts
 

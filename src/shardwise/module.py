@@ -99,7 +99,7 @@ class ModuleState(ModuleLifecycle):
         for i, s in enumerate(states):
             s.context = ctx
             if s.settings.reshard_after_forward_setting is None:
-                s.settings.reshard_after_forward = s is not self
+                s.change_settings(reshard_after_forward=s is not self)
             s.fwd_default = forward.targets[i]
             s.bwd_default = backward.targets[len(states) - 1 - i]
         return ctx
@@ -396,7 +396,14 @@ class ModuleState(ModuleLifecycle):
         recompute = self.context is not None and self.context.phase is Phase.BACKWARD
         self.group.attach(functools.partial(_Unsharded.apply, self), recompute)
 
-    # ---- the root's settings ------------------------------------------------------------
+    # ---- settings -------------------------------------------------------------------------
+
+    def change_settings(self, **changes: Any) -> None:
+        """The one writer of this module's settings (settings.py): its group, which
+        holds the same object, re-chooses what a change decides."""
+        self.settings.change(**changes)
+        if self.group is not None:
+            self.group.settings_changed(changes.keys())
 
     def set_for_root(self, apply: Callable[[RootSettings], None]) -> None:
         """Change the root's settings (``apply`` writes them): now, or once the

@@ -29,7 +29,7 @@ installed parameters, ``.grad``. Nothing below it names it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +40,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, lifecycle
+from . import gather, lifecycle
 from .flat_shard import local_of
 from .lifecycle import GROUP_TRANSITIONS, GroupState, check_group
 from .mesh_part import MeshPart, Reduction, Reductions, split_by_mesh
-from .settings import GroupSettings
+from .reduce import ReduceComm
+from .settings import COMM_SETTINGS, GroupSettings
 from .sharded_param import ShardedParam
 from .step_in_backward import StepInBackward
 from .tensor_parallel import TPLayout
@@ -161,7 +162,17 @@ class ParamGroup:
         _OptimizerSteps.watch()
         self._gathered_version = (-1, -1)  # what the last gather read (``stale``)
 
-        self.parts = split_by_mesh(named, mesh, meshes, self.device, settings, label, tp, dims)
+        self.parts = split_by_mesh(
+            named,
+            mesh,
+            meshes,
+            self.device,
+            settings.mp_policy,
+            settings.offload_policy,
+            label,
+            tp,
+            dims,
+        )
         self.params: list[ShardedParam] = [sp for p in self.parts for sp in p.layout.params]
         # The call's mesh (the first part): what one-mesh callers and settings mean.
         first = self.parts[0]
@@ -172,9 +183,7 @@ class ParamGroup:
         self.has_tp = any(p.layout.has_tp for p in self.parts)
         # Whether any part's gather is a collective (a mesh's world is fixed).
         self.communicates = any(p.layout.world > 1 for p in self.parts)
-        if settings.reduce_scatter_group is None:
-            settings.reduce_scatter_group = self.shard_group
-        self.choose_gather()
+        self.choose_comm()
 
     @property
     def one_mesh(self) -> bool:
@@ -214,7 +223,7 @@ class ParamGroup:
             self.kept = None
             if self.state is not GroupState.SHARDED:
                 self._to(GroupState.SHARDED)
-            self.choose_gather()
+            self.choose_comm()
         return rebuilt
 
     # ---- unshard / reshard --------------------------------------------------------------
@@ -238,9 +247,9 @@ class ParamGroup:
         for part in self.parts:
             if part.replaced():
                 part.layout.repack()  # someone replaced the shards (to_empty, .to())
-                part.choose(self.settings)  # a new layout may gather another way
+                self._choose(part)  # a new layout may gather another way
             assert part.gather is not None
-            part.pending = part.gather.issue(self.kept if part.first else None, backward)
+            part.pending = part.gather.issue(self.kept if self._serves(part) else None, backward)
             if part.pending is not None:  # else nothing to wait for (aliased, a cast done)
                 in_flight.append(part)
         if not in_flight:
@@ -298,37 +307,53 @@ class ParamGroup:
         self._to(GroupState.UNSHARDED)
         self._install_plain()
 
-    def use_comm_alloc(self, alloc: collectives.Allocator | None) -> None:
-        """Gather outputs and reduction buffers from ``alloc`` (None: the caching allocator)."""
-        self.settings.comm_alloc = alloc
-        self.choose_gather()
+    def settings_changed(self, names: Collection[str]) -> None:
+        """``ModuleState.change_settings`` changed ``names``: a part kept after forward
+        for another post-forward group is stale, and how the group communicates is
+        chosen again where a setting that decides it changed."""
+        if "post_forward_group" in names:
+            self._drop_kept()
+        if not COMM_SETTINGS.isdisjoint(names):
+            self.choose_comm()
 
-    def use_custom_all_gather(self, comm: Any) -> None:
-        self.settings.custom_all_gather = comm
-        self.choose_gather()
-
-    def use_comm_policy(self, policy: Any) -> None:
-        """Gather and reduce by ``policy`` (a checked ``CommPolicy``; None: plainly)."""
-        self.settings.comm_policy = policy
-        self.choose_gather()
-
-    def use_post_forward_group(self, group: Any) -> None:
-        """``reshard_after_forward=int``'s group of n ranks (None: none; a bool replaced it)."""
-        self.settings.post_forward_group = group
-        self._drop_kept()
-        self.choose_gather()
-
-    def choose_gather(self) -> None:
-        """Decide how this group gathers (gather.py): when its layout is built or
-        rebuilt and when a setting that decides it changes (``use_comm_alloc``,
-        ``use_custom_all_gather``, ``use_post_forward_group``, ``use_comm_policy``)."""
+    def choose_comm(self) -> None:
+        """Decide how each part gathers and reduce-scatters (gather.py, reduce.py): when
+        the layout is built or rebuilt and when a setting that decides it changes."""
         if self.state is GroupState.GATHERING:
             self.reshard()  # the gather in flight belongs to the old way
         for part in self.parts:
-            part.choose(self.settings)
+            self._choose(part)
         policy = self.settings.comm_policy
         self.two_values = (
             self.communicates and policy is not None and policy.quantize_gather == "forward"
+        )
+
+    def _serves(self, part: MeshPart) -> bool:
+        """Whether the communication settings serve ``part``: they were made for the
+        ``fully_shard`` call's process group (an allocator, a separate reduce-scatter
+        group, node groups, a post-forward group of its ranks), so they serve the
+        part that communicates over it; a part on a mesh of its own (placement.py)
+        communicates plainly. The collectives a user supplies, node-local backward and
+        ``reshard_after_forward=int`` are refused with several meshes."""
+        return part.shard_group is self.shard_group
+
+    def _choose(self, part: MeshPart) -> None:
+        s, own = self.settings, self._serves(part)
+        part.choose(
+            gather.GatherComm(
+                part.shard_group,
+                s.custom_all_gather if own else None,
+                s.comm_alloc if own else None,
+                s.post_forward_group if own else None,
+                s.offload_policy is not None,
+                s.comm_policy if own else None,
+            ),
+            ReduceComm(
+                (s.reduce_scatter_group or part.shard_group) if own else part.shard_group,
+                s.custom_reduce_scatter if own else None,
+                s.comm_alloc if own else None,
+                s.comm_policy if own else None,
+            ),
         )
 
     def gather_values(self, backward: bool) -> None:
@@ -569,7 +594,7 @@ class ParamGroup:
         jobs = [
             (part, job)
             for part in self.parts
-            if (job := part.reduce(self.settings, grads, used, last_backward, downloads))
+            if (job := part.reduce(self.settings.reduce, grads, used, last_backward, downloads))
         ]
         if not jobs:
             return None

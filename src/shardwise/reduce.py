@@ -7,16 +7,27 @@ them. By default one job is in flight at a time (root.py's ``finish_reduces``),
 bounding the memory held for communication to one module; with HSDP, the
 previous module's all-reduce as well, which holds only its reduced shard.
 
+How a part of a group reduce-scatters is a strategy chosen once, as its
+gather is (gather.py): ``choose`` picks ``CastOnly`` (one rank: the copy-in
+is all there is), ``FlatScatter`` (one reduce-scatter) or ``NodeScatter``
+(qgZ's two steps across nodes) from the layout and ``ReduceComm``, when the
+layout is built and when a setting that decides it changes. Each backward
+then makes a ``ReduceJob`` (which issues nothing when made), ``issue``s it,
+and later ``finish``es it.
+
 A job is given what it needs and knows no group: the group's layout
-(``FlatShard``: its parameters, dtypes, device), its settings, the replicas'
-process group, where HSDP sums held back are kept (``HeldBack``) and where a
-download in flight is listed. ``finish`` returns the reduced shards; the
-group puts them on ``.grad`` (``ParamGroup.assign_grads``), and the layer that
-finished the job tells optimizer_in_backward (root.py).
+(``FlatShard``: its parameters, dtypes, device), a snapshot of its settings
+(``ReduceSettings``: a setter called while the job is in flight does not
+change it), the strategy, the replicas' process group, where HSDP sums held
+back are kept (``HeldBack``) and where a download in flight is listed.
+``finish`` returns the reduced shards; the group puts them on ``.grad``
+(``ParamGroup.assign_grads``), and the layer that finished the job tells
+optimizer_in_backward (root.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +38,21 @@ from . import collectives, node_collectives, offload
 from .comm_policy import CommPolicy
 from .flat_shard import FlatShard
 from .labels import label
-from .settings import GroupSettings
+from .offload import CPUOffloadPolicy
 from .sharded_param import ShardedParam
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """The settings a reduction reads, as they were when it started (settings.py
+    makes one whenever a setting changes): FSDP2's names."""
+
+    divide_factor: float | None = None  # None: the mean over every data-parallel rank
+    all_reduce_hook: Callable[[Any], None] | None = None  # on the reduced shard
+    force_sum: bool = False  # SUM only, never the backend's AVG
+    requires_all_reduce: bool = True  # HSDP: False holds the reduce-scattered sums back
+    reduce_scatter_unused: bool = False  # every trainable parameter gets a gradient
+    offload_policy: CPUOffloadPolicy | None = None  # reduced shards go to host memory
 
 
 @dataclass(frozen=True)
@@ -66,20 +90,97 @@ class HeldBack:
         self.sums = (members, summed)
 
 
+class CastOnly:
+    """One rank: the copy-in (a cast, a layout) into the output is all there is."""
+
+    def issue(self, job: ReduceJob, filled: list[torch.Tensor], slots: list[int]) -> Any:
+        g = job.layout
+        with collectives.side_stream("reduce", g.device):
+            _copy_in(filled, slots, job.out.view(1, -1))
+            _record_stream(filled, g.device)
+            work = collectives.StreamWork(g.device)
+        return collectives.Pending(work, label=g.label, kind="cast")
+
+
+class FlatScatter:
+    """The copy-in lays the pieces out rank-major; one reduce-scatter over the group."""
+
+    def issue(self, job: ReduceJob, filled: list[torch.Tensor], slots: list[int]) -> Any:
+        g, comm, numel = job.layout, job.comm, job.out.numel()
+        rs_in = collectives.comm_buffer(comm.alloc, g.world * numel, g.reduce_dtype, g.device)
+        job.hold_input(rs_in)
+        with collectives.side_stream("reduce", g.device):
+            _copy_in(filled, slots, rs_in.view(g.world, numel))
+            _record_stream(filled, g.device)
+            return collectives.reduce_scatter(
+                job.out,
+                rs_in,
+                comm.group,
+                g.label,
+                divide_by=None if job.settings.divide_factor is not None else g.world,
+                comm=comm.custom,
+                sum_only=job.settings.force_sum,
+            )
+
+
+class NodeScatter:
+    """``CommPolicy.quantize_reduce`` (qgZ): the copy-in lays the pieces out node-major
+    (``node_collectives.node_major``), then the two-step reduce-scatter, which leaves
+    in the output what the flat one would, divided the same way."""
+
+    def __init__(self, nodes: node_collectives.NodeGroups, policy: CommPolicy) -> None:
+        self.nodes = nodes
+        self.policy = policy
+
+    def issue(self, job: ReduceJob, filled: list[torch.Tensor], slots: list[int]) -> Any:
+        g, numel = job.layout, job.out.numel()
+        rs_in = collectives.comm_buffer(job.comm.alloc, g.world * numel, g.reduce_dtype, g.device)
+        job.hold_input(rs_in)
+        with collectives.side_stream("reduce", g.device):
+            _copy_in_nodes(filled, slots, node_collectives.node_major(rs_in, self.nodes), rs_in)
+            _record_stream(filled, g.device)
+            return node_collectives.hierarchical_reduce_scatter(
+                job.out,
+                rs_in,
+                self.nodes,
+                g.label,
+                divide_by=None if job.settings.divide_factor is not None else g.world,
+                block=self.policy.block_size,
+                qdtype=self.policy.quant_dtype,
+            )
+
+
+Scatter = CastOnly | FlatScatter | NodeScatter
+
+
+def choose(layout: FlatShard, comm: ReduceComm) -> Scatter:
+    """How a part with ``layout`` reduce-scatters over ``comm``: chosen when the layout
+    is built and whenever a setting that decides it changes, as ``gather.choose``."""
+    if layout.world == 1:
+        return CastOnly()
+    nodes = _node_split(layout, comm)
+    if nodes is not None:
+        assert comm.policy is not None
+        return NodeScatter(nodes, comm.policy)
+    return FlatScatter()
+
+
 class ReduceJob:
     """A module's gradient reduction in flight: reduce-scatter, then (HSDP) all-reduce.
 
     The default averages over every data-parallel rank: the reduce-scatter
     divides by the shard group's size, the all-reduce by the replicas'. A
     custom divide factor sums throughout and divides once at the end (what
-    FSDP2 does with ``PREMUL_SUM``, which gloo lacks).
+    FSDP2 does with ``PREMUL_SUM``, which gloo lacks). Made, then ``issue``d:
+    making one communicates nothing.
     """
 
     def __init__(
         self,
         layout: FlatShard,
-        settings: GroupSettings,
+        settings: ReduceSettings,
         comm: ReduceComm,
+        scatter: Scatter,
         replicate_group: ProcessGroup | None,
         held_back: HeldBack,
         grads: list[torch.Tensor | None],
@@ -87,21 +188,24 @@ class ReduceJob:
         last_backward: bool,
         downloads: list[Any] | None,
     ):
-        """``settings``: the group's, read as the job runs (a divide factor, hooks,
-        whether HSDP all-reduces now); ``comm``: what the reduce-scatter runs over;
-        ``replicate_group``: HSDP's replicas (None: FSDP). ``last_backward``:
-        this backward ends the microbatches (only then does optimizer_in_backward
-        step; decided now, since an earlier microbatch's job may finish in the
-        next one). ``downloads``: where an offloaded copy to the host that
-        nothing waits for yet is listed (the context waits at the end of backward)."""
+        """``settings``: the group's as this reduction starts; ``comm``: what the
+        reduce-scatter runs over, ``scatter`` how (``choose``); ``replicate_group``:
+        HSDP's replicas (None: FSDP). ``last_backward``: this backward ends the
+        microbatches (only then does optimizer_in_backward step; decided now, since
+        an earlier microbatch's job may finish in the next one). ``downloads``: where
+        an offloaded copy to the host that nothing waits for yet is listed (the
+        context waits at the end of backward)."""
         g = self.layout = layout
         self.settings = settings
         self.comm = comm
+        self.scatter = scatter
         self.replicate_group = replicate_group
         self.held_back = held_back
         self.last_backward = last_backward
         self._downloads = downloads
+        self._grads = grads
         self._pending: collectives.Pending | None = None
+        self._rs_in: torch.Tensor | None = None  # the reduce-scatter's input, until it is done
         # HSDP: the all-reduce over the replicas, issued once the reduce-scatter
         # is done (``scattered``); None while not issued, or when held back.
         self._all_reducing: collectives.Pending | None = None
@@ -122,7 +226,18 @@ class ReduceJob:
         self.used = used
         self.downloaded: Any = None  # offload: the event of the copy to the host (None: none)
         self._owner: torch.cuda.Stream | None = None  # offload: where ``out`` was allocated
-        hsdp = replicate_group is not None
+        self.shards: list[Any] = []
+
+    def hold_input(self, rs_in: torch.Tensor) -> None:
+        """Keep the reduce-scatter's input alive until it is done (the strategy's buffer)."""
+        self._rs_in = rs_in
+
+    def issue(self) -> None:
+        """The copy-in and the reduce-scatter, issued without waiting (on one rank with
+        nothing to average: the shards are the gradients, nothing is issued)."""
+        g, settings, grads = self.layout, self.settings, self._grads
+        self._grads = []
+        hsdp = self.replicate_group is not None
         plain = settings.divide_factor is None and settings.all_reduce_hook is None
         device = g.device
         # One rank, nothing else to do: nothing to average, the gradients are
@@ -135,7 +250,7 @@ class ReduceJob:
         if alone and settings.reduce_scatter_unused:
             grads = _zeros_for(g, grads, self.members)
         if alone and not cast:
-            self.shards: list[Any] = [None if t is None else t.contiguous() for t in grads]
+            self.shards = [None if t is None else t.contiguous() for t in grads]
             return
         if alone:  # only the parameters with gradients: nothing to send for the others
             self.members = [sp for sp, t in zip(g.params, grads) if t is not None]
@@ -148,9 +263,8 @@ class ReduceJob:
             if len({t.dtype for t in filled}) > 1:  # accumulated (reduce dtype) and fresh ones
                 filled = [t.to(g.reduce_dtype) for t in filled]
             numel = sum(sp.slot for sp in self.members)
-            alloc = comm.alloc
             dtype = g.orig_dtype if alone else g.reduce_dtype
-            self.out = collectives.comm_buffer(alloc, numel, dtype, device)
+            self.out = collectives.comm_buffer(self.comm.alloc, numel, dtype, device)
             if settings.offload_policy is not None and device.type == "cuda":
                 # The stream whose pool ``out`` came from: its free is ordered there,
                 # after the download (offload.download).
@@ -159,59 +273,7 @@ class ReduceJob:
             # it reads may be freed as soon as it has run, not when the reduction
             # is waited for: record_stream tells the allocator so.
             slots = [sp.slot for sp in self.members]
-            if g.world == 1:  # the copy-in (a cast, a layout) is all there is
-                self._rs_in = None
-                with collectives.side_stream("reduce", device):
-                    _copy_in(filled, slots, self.out.view(1, numel))
-                    _record_stream(filled, device)
-                    work = collectives.StreamWork(device)
-                self._pending = collectives.Pending(work, label=g.label, kind="cast")
-            elif (nodes := _node_split(g, comm)) is not None:
-                self._pending = self._hierarchical(nodes, filled, slots, numel)
-            else:
-                rs_in = collectives.comm_buffer(alloc, g.world * numel, g.reduce_dtype, device)
-                self._rs_in = rs_in.view(g.world, numel)
-                with collectives.side_stream("reduce", device):
-                    _copy_in(filled, slots, self._rs_in)
-                    _record_stream(filled, device)
-                    self._pending = collectives.reduce_scatter(
-                        self.out,
-                        self._rs_in.view(-1),
-                        comm.group,
-                        g.label,
-                        divide_by=None if settings.divide_factor is not None else g.world,
-                        comm=comm.custom,
-                        sum_only=settings.force_sum,
-                    )
-        self.shards = []
-
-    def _hierarchical(
-        self,
-        nodes: node_collectives.NodeGroups,
-        filled: list[torch.Tensor],
-        slots: list[int],
-        numel: int,
-    ) -> collectives.Pending:
-        """``CommPolicy.quantize_reduce`` (qgZ): the copy-in lays the pieces out node-major
-        (``node_collectives.node_major``), then the two-step reduce-scatter, which leaves
-        in ``out`` what the flat one would, divided the same way."""
-        g, settings = self.layout, self.settings
-        policy = self.comm.policy
-        assert policy is not None
-        rs_in = collectives.comm_buffer(self.comm.alloc, g.world * numel, g.reduce_dtype, g.device)
-        self._rs_in = rs_in
-        with collectives.side_stream("reduce", g.device):
-            _copy_in_nodes(filled, slots, node_collectives.node_major(rs_in, nodes), rs_in)
-            _record_stream(filled, g.device)
-            return node_collectives.hierarchical_reduce_scatter(
-                self.out,
-                rs_in,
-                nodes,
-                g.label,
-                divide_by=None if settings.divide_factor is not None else g.world,
-                block=policy.block_size,
-                qdtype=policy.quant_dtype,
-            )
+            self._pending = self.scatter.issue(self, filled, slots)
 
     @property
     def overlaps(self) -> bool:

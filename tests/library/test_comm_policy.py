@@ -320,7 +320,7 @@ def _states(model: nn.Module) -> list:
 
 def check_reduce_job_reduces_through_nodes(rank: int, world: int) -> None:
     """A module's reduction with ``quantize_reduce`` (settings.comm_policy, as fully_shard
-    will write it): the gradients match the flat reduction's within the quantization error,
+    will set it): the gradients match the flat reduction's within the quantization error,
     and the inter-node step is an all-to-all of bytes."""
     torch.manual_seed(1 + rank)
     x = torch.randn(6, 40)
@@ -328,7 +328,7 @@ def check_reduce_job_reduces_through_nodes(rank: int, world: int) -> None:
     for policy in (None, CommPolicy(quantize_reduce=True, node_size=L, block_size=BLOCK)):
         model = _model()
         for state in _states(model):
-            state.settings.comm_policy = policy
+            state.change_settings(comm_policy=policy)
         kinds: list[tuple[str, torch.dtype, int]] = []
         remove = observe.add_collective_observer(
             lambda rec, _, seen=kinds: seen.append((rec.kind, rec.dtype, rec.group_size))

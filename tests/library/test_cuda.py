@@ -455,7 +455,7 @@ def comm_alloc_worker(rank: int, world: int, mode: str) -> None:
     with pytest.raises(ValueError, match="one or the other"):
         enable(modules[0])
     assert modules[0]._shardwise_state.settings.comm_alloc is None
-    modules[0]._shardwise_state.settings.custom_reduce_scatter = None
+    modules[0]._shardwise_state.change_settings(custom_reduce_scatter=None)
     for m in modules:
         enable(m)
     groups = [m._shardwise_state.group for m in modules if m._shardwise_state.group is not None]

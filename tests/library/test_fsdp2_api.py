@@ -302,17 +302,16 @@ def check_backend_specific_errors(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="one reduction in flight"):
         model.set_symm_mem_for_comm()
     model.set_reduce_scatter_max_input_buffers(1, recurse=False)
-    group = model._shardwise_state.group
 
     def symmetric(numel: int, dtype: torch.dtype) -> torch.Tensor:  # stands in for NCCL's
         return torch.empty(numel, dtype=dtype)
 
     symmetric.symmetric = True  # type: ignore[attr-defined]
-    group.use_comm_alloc(symmetric)
+    model._shardwise_state.change_settings(comm_alloc=symmetric)
     with pytest.raises(ValueError, match="symmetric memory"):
         model.set_reduce_scatter_max_input_buffers(2)
     assert model._shardwise_state.settings.max_reduces_in_flight == 1
-    group.use_comm_alloc(None)
+    model._shardwise_state.change_settings(comm_alloc=None)
     bad = [
         (lambda: model.set_gradient_divide_factor(0), ValueError),
         (lambda: model.set_requires_all_reduce("no"), TypeError),
