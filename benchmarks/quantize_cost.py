@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from shardwise import quantize
+from shardwise.comm import quantize
 from shardwise_app.models.gpt import Block, GPTConfig
 
 

@@ -8,20 +8,25 @@
 See docs/design.md for the lifecycle every sharded module follows.
 """
 
-from . import observe
+from . import _moved, observe
 from .api import fully_shard, hsdp_mesh, no_sync
 from .clip import clip_grad_norm_
-from .comm_policy import CommPolicy
-from .context import FSDPContext, Phase
-from .fsdp_module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
-from .lifecycle import LifecycleError, Stage
+from .comm.comm_policy import CommPolicy
+from .layout.offload import CPUOffloadPolicy, OffloadPolicy
+from .layout.placement import ShardPlacementResult
+from .layout.precision import MixedPrecisionPolicy
 from .materialize import materialize
-from .offload import CPUOffloadPolicy, OffloadPolicy
 from .optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from .patch import fsdp2_patched, patch_fsdp2, unpatch_fsdp2
-from .placement import ShardPlacementResult
-from .precision import MixedPrecisionPolicy
-from .trace import Tracer, trace
+from .runtime.context import FSDPContext, Phase
+from .runtime.fsdp_module import (
+    FSDPModule,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
+from .runtime.lifecycle import LifecycleError, Stage
+from .runtime.trace import Tracer, trace
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -52,6 +57,7 @@ __all__ = [
     "unpatch_fsdp2",
 ]
 __version__ = "0.1.0"
+_moved.install()  # ``shardwise.collectives`` and the other old paths (_moved.py)
 
 
 def __getattr__(name: str) -> object:
@@ -63,4 +69,7 @@ def __getattr__(name: str) -> object:
             "module 'shardwise' has no attribute 'plan': the planner is "
             "shardwise_plan.plan (from shardwise_plan import plan)"
         )
+    moved = _moved.attribute(name)
+    if moved is not None:
+        return moved
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

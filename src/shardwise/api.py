@@ -18,17 +18,19 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import collectives, comm_policy, pipeline, placement
-from .comm_policy import CommPolicy
-from .extensions import Extension, has_hooks
-from .fsdp_module import FSDPModule, apply_comm_policy
-from .module import ModuleState, outside_compile
-from .offload import OffloadPolicy, check_offload_policy
-from .param_group import ParamGroup
-from .precision import MixedPrecisionPolicy
-from .settings import GroupSettings
-from .sharded_param import rows_per_rank
-from .tensor_parallel import TPLayout, compose_spmd, compose_tp, spmd_mesh
+from . import pipeline
+from .comm import collectives, comm_policy
+from .comm.comm_policy import CommPolicy
+from .layout import placement
+from .layout.extensions import Extension, has_hooks
+from .layout.offload import OffloadPolicy, check_offload_policy
+from .layout.precision import MixedPrecisionPolicy
+from .layout.sharded_param import rows_per_rank
+from .layout.tensor_parallel import TPLayout, compose_spmd, compose_tp, spmd_mesh
+from .runtime.fsdp_module import FSDPModule, apply_comm_policy
+from .runtime.module import ModuleState, outside_compile
+from .runtime.param_group import ParamGroup
+from .runtime.settings import GroupSettings
 
 # Original parameter objects already taken by some fully_shard call: a second
 # owner would silently untie them.

@@ -61,10 +61,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import checkpoint_integrity as integrity
-from . import collectives, safe_load
+from . import safe_load
 from .checkpoint_integrity import EXTRA_FILE, DamagedCheckpoint, verify
-from .flat_shard import local_of
-from .fsdp_module import FSDPModule
+from .comm import collectives
+from .layout.flat_shard import local_of
+from .runtime.fsdp_module import FSDPModule
 from .safe_load import UnsafeCheckpoint
 
 __all__ = [

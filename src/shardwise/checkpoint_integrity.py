@@ -34,7 +34,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
 
-from . import collectives, safe_load
+from . import safe_load
+from .comm import collectives
 from .safe_load import UnsafeCheckpoint
 
 CHECKSUM_FILE = "shardwise_checksums.json"

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import collectives
-from .flat_shard import local_of
-from .step_in_backward import refuse_stepped_in_backward
+from .comm import collectives
+from .layout.flat_shard import local_of
+from .runtime.step_in_backward import refuse_stepped_in_backward
 
 
 def _copies(g: torch.Tensor, world: int) -> int:

@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .flat_shard import local_of
-from .sharded_param import rows_per_rank
+from .layout.flat_shard import local_of
+from .layout.sharded_param import rows_per_rank
 
 
 def _apply_order(module: nn.Module) -> Iterator[nn.Module]:

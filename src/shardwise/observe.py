@@ -35,11 +35,11 @@ shardwise's own timeline (``shardwise.trace``) is built on the first two.
 
 from __future__ import annotations
 
-from .collectives import CollectiveRecord, Pending, add_wait_observer
-from .collectives import add_observer as add_collective_observer
-from .labels import LABELS, PREFIX, memory_labels
-from .node_collectives import LinkBytes
-from .offload import Transfer, add_transfer_observer
+from .comm.collectives import CollectiveRecord, Pending, add_wait_observer
+from .comm.collectives import add_observer as add_collective_observer
+from .comm.node_collectives import LinkBytes
+from .layout.labels import LABELS, PREFIX, memory_labels
+from .layout.offload import Transfer, add_transfer_observer
 
 __all__ = [
     "LABELS",

@@ -46,11 +46,11 @@ import threading
 import torch
 import torch.nn as nn
 
-from . import root
-from .fsdp_module import FSDPModule
-from .module import ModuleState
-from .param_group import ParamGroup
-from .step_in_backward import ELEMENTWISE, MARK, StepInBackward, TorchClipGuard
+from .runtime import root
+from .runtime.fsdp_module import FSDPModule
+from .runtime.module import ModuleState
+from .runtime.param_group import ParamGroup
+from .runtime.step_in_backward import ELEMENTWISE, MARK, StepInBackward, TorchClipGuard
 
 __all__ = ["ELEMENTWISE", "MARK", "OptimizerInBackward", "optimizer_in_backward"]
 

@@ -49,7 +49,8 @@ def _routes() -> tuple[Any, dict[int, tuple[Any, Callable[..., Any]]]]:
     """torch's defining module, and id(torch's object) -> (it, shardwise's stand-in)."""
     from torch.distributed.fsdp._fully_shard import _fully_shard as torch_impl
 
-    from . import api, fsdp_module
+    from . import api
+    from .runtime import fsdp_module
 
     if not _stand_ins:
         pairs: list[tuple[str, Callable[..., Any]]] = [

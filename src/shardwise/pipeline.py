@@ -77,10 +77,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
-from . import root
+from .runtime import root
 
 if TYPE_CHECKING:
-    from .module import ModuleState
+    from .runtime.module import ModuleState
 
 
 def _state_of(module: nn.Module) -> ModuleState | None:

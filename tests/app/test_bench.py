@@ -70,7 +70,7 @@ def test_held_tensors_count_each_storage_once() -> None:
     }
 
 
-SW = "/src/shardwise/param_group.py"  # a frame of shardwise's that carries no meaning now
+SW = "/src/shardwise/runtime/param_group.py"  # a frame of shardwise's that carries no meaning now
 FSDP_PARAM = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_param.py"
 FSDP_COLL = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
 GPT_FWD = ("/src/shardwise_app/models/gpt.py", "forward")
@@ -469,6 +469,6 @@ def test_runtime_labels_attribute_memory_by_what_it_does() -> None:
             assert nbytes > 0, f"{name}: {count} scopes allocated nothing"
             assert memory.classify([], "forward", PREFIX + name) == part, name
     # Outside a profiler the scopes are not opened at all.
-    from shardwise.labels import _NO_LABEL, label
+    from shardwise.layout.labels import _NO_LABEL, label
 
     assert label("gather") is _NO_LABEL

@@ -36,7 +36,7 @@ def step_bytes(world: int, replicate: int) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import shardwise
-    from shardwise import collectives
+    from shardwise.comm import collectives
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:

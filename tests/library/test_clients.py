@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 
 from dist_utils import run_distributed
 from models import Block
-from shardwise import collectives, fully_shard
+from shardwise import fully_shard
+from shardwise.comm import collectives
 from test_core import assert_between_steps, global_mean
 
 pytest.importorskip("transformers")

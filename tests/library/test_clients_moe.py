@@ -134,7 +134,7 @@ def assert_resharded(model: nn.Module, impl: str, when: str) -> None:
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not left, f"{when}: gathered parameters left registered: {left}"
     if impl == "shardwise":
-        from shardwise.context import Phase
+        from shardwise.runtime.context import Phase
 
         for m in model.modules():
             state = getattr(m, "_shardwise_state", None)

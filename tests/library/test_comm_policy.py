@@ -18,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dist_utils import named_check_test
-from shardwise import collectives, fully_shard, gather, node_collectives, observe, quantize
-from shardwise.comm_policy import CommPolicy, check, fp8_supported
+from shardwise import fully_shard, observe
+from shardwise.comm import collectives, gather, node_collectives, quantize
+from shardwise.comm.comm_policy import CommPolicy, check, fp8_supported
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -403,7 +404,7 @@ def test_fused_gpu_kernels_pack_and_unpack_as_the_torch_ops() -> None:
     """On a GPU, pack and unpack run one Triton kernel each (quantize_gpu.py): the same
     bytes and values as quantize.py's torch ops on finite data (an uneven last block, a
     block of zeros), NaN for a block with a NaN, into bf16 and fp32."""
-    from shardwise import quantize, quantize_gpu
+    from shardwise.comm import quantize, quantize_gpu
 
     block, rows, n = 256, 3, 5 * 256 + 77
     if not quantize_gpu.usable(torch.empty(0, device="cuda"), block, torch.int8):

@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from dist_utils import named_check_test
-from shardwise import CommPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, observe, quantize
+from shardwise import CommPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, observe
+from shardwise.comm import quantize
 from shardwise_app.models.gpt import GPT, GPTConfig, set_activation_checkpointing
 
 pytestmark = pytest.mark.timeout(300)

@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import shardwise
 from dist_utils import run_distributed
 from models import Deep, Net, TwoLinears, batches, loss_fn
-from shardwise import FSDPModule, Phase, collectives, fully_shard
-from shardwise.param_group import GroupState
+from shardwise import FSDPModule, Phase, fully_shard
+from shardwise.comm import collectives
+from shardwise.runtime.param_group import GroupState
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -600,7 +601,7 @@ def test_recorded_order_prefetches_the_next_distinct_gathering_modules() -> None
     gather, skipping itself, repeats and modules without parameters."""
     from types import SimpleNamespace
 
-    from shardwise.context import ExecutionOrder
+    from shardwise.runtime.context import ExecutionOrder
 
     root = SimpleNamespace(group=None)  # no parameters of its own
     a, b, c, d = (SimpleNamespace(group=object()) for _ in range(4))
@@ -625,7 +626,7 @@ def test_gradient_copy_in_lays_out_rank_major_like_chunk_cat(world: int) -> None
     order, cast to the reduce dtype; the same bytes as ``torch._chunk_cat`` on
     every path (even contiguous splits, a transposed gradient, an uneven split, an
     empty parameter beside one), padding included."""
-    from shardwise.reduce import _copy_in
+    from shardwise.comm.reduce import _copy_in
 
     g = torch.Generator().manual_seed(0)
     shapes = [(16, 3), (16,), (32, 2)]  # even at every world size here

@@ -236,8 +236,8 @@ def offload_peak_worker(rank: int, world: int) -> dict[str, Any]:
     """One offloaded GPU measured as ``shardwise plan --measure`` does (planner/setup.py's
     model, policy and optimizer): each step's ``max_memory_allocated`` after the first
     (which makes the optimizer state), and what the device holds before the model."""
-    from shardwise import offload
     from shardwise.api import default_mesh
+    from shardwise.layout import offload
     from shardwise_app.models.gpt import GPT, GPTConfig
     from shardwise_plan import Policy
     from shardwise_plan.setup import apply_policy, lm_loss, make_optimizer, token_batch
@@ -365,7 +365,8 @@ def float8_worker(rank: int, world: int) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from shardwise import MixedPrecisionPolicy, collectives, fully_shard
+    from shardwise import MixedPrecisionPolicy, fully_shard
+    from shardwise.comm import collectives
     from shardwise_app.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)

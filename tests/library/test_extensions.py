@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 import shardwise
 from dist_utils import named_check_test
 from models import VOCAB, Tiny, batches
-from shardwise import collectives, fully_shard
+from shardwise import fully_shard
+from shardwise.comm import collectives
 from test_core import global_mean
 
 pytestmark = pytest.mark.timeout(300)

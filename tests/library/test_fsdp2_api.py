@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import shardwise
 from dist_utils import named_check_test, run_distributed
 from models import Net, batches, loss_fn
-from shardwise import collectives, fully_shard
+from shardwise import fully_shard
+from shardwise.comm import collectives
 from test_core import assert_between_steps, shard_net
 from test_training import reference_and_sharded
 

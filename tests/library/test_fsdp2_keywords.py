@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import shardwise
 from dist_utils import named_check_test
 from models import Block, Net, TwoPaths, batches, loss_fn
-from shardwise import collectives, fully_shard
+from shardwise import fully_shard
+from shardwise.comm import collectives
 from test_core import (
     assert_between_steps,
     global_mean,

@@ -73,7 +73,7 @@ def calls_per_step(world: int) -> int:
 
 
 def test_calls_per_step_do_not_grow_with_the_world() -> None:
-    from shardwise.reduce import PIECES_UP_TO
+    from shardwise.comm.reduce import PIECES_UP_TO
 
     worlds = [2, PIECES_UP_TO, 2 * PIECES_UP_TO, 1024]
     ctx = mp.get_context("spawn")

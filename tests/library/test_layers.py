@@ -86,20 +86,48 @@ def test_the_command_without_its_extra_says_how_to_install(tmp_path: Path) -> No
         assert r.stdout == "" and not (tmp_path / "never").exists()
 
 
-# ---- the runtime's own layers ---------------------------------------------------------------
+# ---- the library's folders and layers -----------------------------------------------------
 
 RUNTIME = LIBRARY
-# Top to bottom. A file may import the files of any layer below its own, none
-# of its own layer or above. The runtime's path through one step is
-# module -> root -> context -> param_group -> gather/reduce -> collectives.
+# The folders, top to bottom: the public face (what users import by name: the
+# top-level modules and ``optim``), then the runtime, communication, and the
+# vocabulary of where a parameter lives. A file imports its own folder's files
+# (by LAYERS, below) or a lower folder's, never a higher one's.
+FOLDERS: dict[str, set[str]] = {
+    "": {
+        "_moved", "api", "checkpoint", "checkpoint_integrity", "clip", "materialize",
+        "observe", "optimizer_in_backward", "patch", "pipeline", "safe_load",
+    },
+    "optim": {"muon"},
+    "runtime": {
+        "check", "context", "fsdp_module", "lifecycle", "mesh_part", "module", "param_group",
+        "pipeline_stage", "root", "settings", "step_in_backward", "trace",
+    },
+    "comm": {
+        "collectives", "comm_policy", "gather", "node_collectives", "quantize", "quantize_gpu",
+        "reduce",
+    },
+    "layout": {
+        "containers", "extensions", "flat_shard", "labels", "offload", "placement", "precision",
+        "sharded_param", "tensor_parallel",
+    },
+}  # fmt: skip
+LEVEL = {"": 0, "optim": 0, "runtime": 1, "comm": 2, "layout": 3}
+FOLDER = {name: folder for folder, names in FOLDERS.items() for name in names}
+# Top to bottom, over every file. A file may import the files of any layer below its
+# own, none of its own layer or above. The path of one step is
+# module -> root -> context -> param_group -> mesh_part -> gather/reduce -> collectives.
 LAYERS: list[tuple[str, ...]] = [
     ("__init__",),
-    # The public calls and what they are built from.
-    ("patch", "checkpoint", "optimizer_in_backward", "observe", "clip", "materialize"),
+    # The public face: the calls and what they are built from.
+    ("patch", "checkpoint", "optimizer_in_backward", "observe", "clip", "materialize", "muon"),
     ("api",),
     ("pipeline",),  # fully_shard.state for torch.distributed.pipelining (an adapter)
+    ("checkpoint_integrity",),
+    ("safe_load",),  # reading checkpoint files without running code (torch only)
+    ("_moved",),  # the old flat paths of moved modules (imports nothing of ours)
+    # runtime/
     ("fsdp_module",),
-    # The runtime.
     ("module",),  # one module's hooks (ModuleState)
     ("pipeline_stage",),  # a root's first forward inside a pipeline stage: refusals
     ("root",),  # the root's boundaries: every module at a forward's start and end, a backward's end
@@ -107,49 +135,75 @@ LAYERS: list[tuple[str, ...]] = [
     ("context",),  # the root's shared state and each module's lifecycle (its stage)
     ("param_group",),  # one group's gather/reshard/reduce lifecycle
     ("mesh_part",),  # a group's parameters on one mesh, and its parts' reductions as one
-    ("gather", "reduce", "step_in_backward"),  # strategies, given the layout; the stepper
+    ("settings",),  # one call's settings, frozen but for change(); the reduction's snapshot
+    ("step_in_backward",),  # the stepper
+    ("trace",),  # the timeline
+    ("lifecycle",),  # the states, events and transition tables (imports nothing)
+    # comm/
+    ("gather", "reduce"),  # strategies, given the layout
+    ("node_collectives",),  # collectives that know the node boundary
+    ("collectives", "comm_policy"),
+    ("quantize",),
+    ("quantize_gpu",),  # quantize.py's int8 pack and unpack fused on CUDA (Triton, lazily)
+    # layout/
     ("flat_shard",),  # the layout
     ("sharded_param",),
     ("extensions",),
-    # Below everything: the timeline, settings, the copies, the collectives, the labels.
-    ("trace",),
-    ("settings", "checkpoint_integrity"),
-    ("lifecycle",),  # the states, events and transition tables (imports nothing)
-    # Collectives that know the node boundary, composed of collectives.py's calls.
-    ("node_collectives",),
-    ("precision", "tensor_parallel", "collectives", "offload", "comm_policy"),
-    ("containers", "labels", "quantize", "placement"),
-    ("safe_load",),  # reading checkpoint files without running code (torch only)
-    ("quantize_gpu",),  # quantize.py's int8 pack and unpack fused on CUDA (Triton, lazily)
+    ("precision", "tensor_parallel", "offload"),
+    ("containers", "labels", "placement"),
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-RUNTIME_FILES = sorted(p.stem for p in RUNTIME.glob("*.py") if p.name not in RUN_ONLY)
+PACKAGE_INITS = {f"{folder}/__init__.py" for folder in FOLDERS if folder}
+LIBRARY_FILES = sorted(
+    p
+    for p in RUNTIME.rglob("*.py")
+    if p.name not in RUN_ONLY and str(p.relative_to(RUNTIME)) not in PACKAGE_INITS
+)
+RUNTIME_FILES = sorted(p.stem for p in LIBRARY_FILES)
+PATH = {p.stem: p for p in LIBRARY_FILES}
 BELOW_THE_HOOKS = [name for name in RUNTIME_FILES if LAYER.get(name, -1) > LAYER["module"]]
 
 
 def _imports(path: Path) -> set[str]:
     """The library files ``path`` imports, by name: every import in it, at the top,
-    under ``TYPE_CHECKING`` or inside a function."""
+    under ``TYPE_CHECKING`` or inside a function, relative or absolute."""
     names: set[str] = set()
+    here = path.relative_to(RUNTIME).parent.parts
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # from .x import y / from . import x
-                names.update([base.split(".")[0]] if base else [a.name for a in node.names])
-            elif base == "shardwise":
+            if node.level:
+                parent = list(here[: len(here) - node.level + 1])
+                dotted = [*parent, *(node.module.split(".") if node.module else [])]
+            elif node.module and node.module.split(".")[0] == "shardwise":
+                dotted = node.module.split(".")[1:]
+            else:
+                continue
+            # ``from ..comm import collectives`` and ``from . import x`` import modules;
+            # ``from .x import y`` and ``from ..comm.x import y`` import from the module x.
+            if not dotted or dotted[-1] in FOLDERS:
                 names.update(a.name for a in node.names)
-            elif base.startswith("shardwise."):
-                names.add(base.split(".")[1])
+            else:
+                names.add(dotted[-1])
         elif isinstance(node, ast.Import):
             names.update(
-                a.name.split(".")[1] for a in node.names if a.name.startswith("shardwise.")
+                a.name.split(".")[-1] for a in node.names if a.name.startswith("shardwise.")
             )
     return names & set(RUNTIME_FILES)
 
 
-def test_every_library_file_has_a_layer() -> None:
-    """A new file is placed in ``LAYERS`` (and so in the picture in docs/design.md)."""
-    assert len(RUNTIME_FILES) > 20, RUNTIME_FILES  # the scan found the library
+def test_every_library_file_is_in_its_folder_and_has_a_layer() -> None:
+    """A new file is placed in ``FOLDERS`` and ``LAYERS`` (and so in docs/design.md)."""
+    assert len(RUNTIME_FILES) > 30, RUNTIME_FILES  # the scan found the library
+    assert len(set(RUNTIME_FILES)) == len(LIBRARY_FILES), "a file name used twice"
+    placed = {
+        name: str(PATH[name].relative_to(RUNTIME).parent).replace(".", "")
+        for name in RUNTIME_FILES
+        if name != "__init__"
+    }
+    assert placed == FOLDER, {
+        n: (placed.get(n), FOLDER.get(n))
+        for n in set(placed) ^ set(FOLDER) | {n for n in placed if placed[n] != FOLDER.get(n)}
+    }
     missing = [name for name in RUNTIME_FILES if name not in LAYER]
     assert not missing, f"add {missing} to LAYERS"
     gone = [name for name in LAYER if name not in RUNTIME_FILES]
@@ -159,15 +213,89 @@ def test_every_library_file_has_a_layer() -> None:
 @pytest.mark.parametrize("name", RUNTIME_FILES)
 def test_every_import_goes_to_a_layer_below(name: str) -> None:
     """No import goes to a file of the same layer or above: nothing calls up."""
-    up = sorted(n for n in _imports(RUNTIME / f"{name}.py") if LAYER[n] <= LAYER[name])
+    up = sorted(n for n in _imports(PATH[name]) if LAYER[n] <= LAYER[name])
     assert not up, f"{name}.py imports {up}, of its own layer or above it"
+
+
+@pytest.mark.parametrize("name", [n for n in RUNTIME_FILES if n != "__init__"])
+def test_no_import_goes_to_a_higher_folder(name: str) -> None:
+    """layout/ imports only itself, comm/ layout/, runtime/ both; the face anything."""
+    level = LEVEL[FOLDER[name]]
+    up = sorted(n for n in _imports(PATH[name]) if n != "__init__" and LEVEL[FOLDER[n]] < level)
+    assert not up, f"{FOLDER[name]}/{name}.py imports {up}, from a folder above its own"
 
 
 @pytest.mark.parametrize("name", BELOW_THE_HOOKS)
 def test_lower_layers_never_import_the_layers_above(name: str) -> None:
     above = {n for n in RUNTIME_FILES if LAYER[n] <= LAYER["module"]}
-    up = _imports(RUNTIME / f"{name}.py") & above
+    up = _imports(PATH[name]) & above
     assert not up, f"{name}.py imports {sorted(up)}, a layer above it"
+
+
+def test_the_library_imports_moved_modules_by_their_new_paths() -> None:
+    """The old flat paths (``shardwise.collectives``) are for users' code; the library
+    names the folders, so the folders are what a reader follows."""
+    from shardwise import _moved
+
+    old = {name.split(".")[-1] for name in _moved.MOVED}
+    wrong = []
+    for path in LIBRARY_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                top = path.parent == RUNTIME
+                flat = (node.level == 1 and top) or base == "shardwise"
+                if flat and not base and any(a.name in old for a in node.names):
+                    wrong.append(f"{path.relative_to(RUNTIME)}:{node.lineno}")
+                elif flat and base.split(".")[0] in old:
+                    wrong.append(f"{path.relative_to(RUNTIME)}:{node.lineno}")
+    assert not wrong, wrong
+
+
+def test_old_flat_paths_still_import_the_moved_modules() -> None:
+    """Code written against the flat layout keeps working: ``import shardwise.reduce``,
+    ``from shardwise import collectives`` and ``from shardwise.lifecycle import ...``
+    give the moved modules themselves, which keep their own names."""
+    script = (
+        "import importlib, shardwise\n"
+        "from shardwise import _moved, collectives\n"
+        "import shardwise.reduce as r\n"
+        "from shardwise.lifecycle import LifecycleError\n"
+        "assert collectives is importlib.import_module('shardwise.comm.collectives')\n"
+        "assert r.__name__ == r.__spec__.name == 'shardwise.comm.reduce'\n"
+        "assert LifecycleError is shardwise.LifecycleError\n"
+        "for old, new in _moved.MOVED.items():\n"
+        "    assert importlib.import_module(old) is importlib.import_module(new), old\n"
+        "print(len(_moved.MOVED))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == len(FOLDERS["runtime"] | FOLDERS["comm"] | FOLDERS["layout"])
+
+
+def test_settings_are_written_only_through_change_settings() -> None:
+    """``GroupSettings`` is frozen; ``ModuleState.change_settings`` (runtime/module.py) is
+    the one caller of its ``change``, and no code assigns a setting's field."""
+    from dataclasses import fields
+
+    from shardwise.runtime.settings import GroupSettings
+
+    names = {f.name for f in fields(GroupSettings)}
+    calls, writes = [], []
+    for path in LIBRARY_FILES + sorted((RUNTIME.parent / "shardwise_app").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "change"
+                and ast.unparse(node.func.value).endswith("settings")
+            ):
+                calls.append((path.name, ast.unparse(node.func)))
+        for attr in names:
+            writes += [(path.name, w, t) for w, t in _assignments(path, attr) if "settings" in t]
+    assert calls == [("module.py", "self.settings.change")], calls
+    assert not writes, writes
 
 
 def test_no_import_cycle_in_the_library() -> None:
@@ -266,7 +394,7 @@ def test_a_module_stage_and_a_group_state_are_written_only_through_their_tables(
     phase only."""
     writes = [
         (p.stem, where, target)
-        for p in sorted(RUNTIME.glob("*.py"))
+        for p in LIBRARY_FILES
         for attr in ("phase", "stage", "state")
         for where, target in _assignments(p, attr)
     ]
@@ -293,7 +421,7 @@ def test_a_module_stage_and_a_group_state_are_written_only_through_their_tables(
 
 def test_step_in_backward_has_a_type() -> None:
     """A group's optimizer-in-backward stepper is a ``StepInBackward``, not ``Any``."""
-    tree = ast.parse((RUNTIME / "param_group.py").read_text())
+    tree = ast.parse(PATH["param_group"].read_text())
     annotations = [
         ast.unparse(node.annotation)
         for node in ast.walk(tree)
@@ -307,7 +435,7 @@ def test_torch_distributed_is_called_only_in_the_collectives_layer() -> None:
     the timeline) see it. Types (meshes, DTensors, placements, torch's FSDPModule)
     and DCP's storage calls in checkpoint.py are not calls to a process group."""
     offenders = []
-    for path in sorted(RUNTIME.glob("*.py")):
+    for path in LIBRARY_FILES:
         if path.name == "collectives.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -344,7 +472,7 @@ def test_reduce_job_is_told_everything_it_needs() -> None:
     offloaded downloads are listed: no default stands in for either."""
     import inspect
 
-    from shardwise.reduce import ReduceJob
+    from shardwise.comm.reduce import ReduceJob
 
     params = list(inspect.signature(ReduceJob).parameters.values())
     defaulted = [p.name for p in params if p.default is not inspect.Parameter.empty]

@@ -1,6 +1,6 @@
 """The lifecycle's tables are the transitions the runtime makes, all of them and only them.
 
-src/shardwise/lifecycle.py names every stage a sharded module goes through and every
+src/shardwise/runtime/lifecycle.py names every stage a sharded module goes through and every
 memory state of its parameters, and admits only the transitions in its two tables
 (``TRANSITIONS``, ``GROUP_TRANSITIONS``); anything else raises ``LifecycleError`` in
 every run. Here every kind of step the runtime supports runs on 4 gloo ranks with the
@@ -24,8 +24,9 @@ from torch.utils.checkpoint import checkpoint
 import shardwise
 from dist_utils import run_distributed
 from models import Block
-from shardwise import fully_shard, lifecycle
-from shardwise.lifecycle import Event, GroupState, LifecycleError, Stage
+from shardwise import fully_shard
+from shardwise.runtime import lifecycle
+from shardwise.runtime.lifecycle import Event, GroupState, LifecycleError, Stage
 
 D = 8
 

@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 import shardwise
 from dist_utils import named_check_test
 from models import Block, Net, batches, loss_fn
-from shardwise import collectives, fully_shard, optimizer_in_backward
+from shardwise import fully_shard, optimizer_in_backward
+from shardwise.comm import collectives
 from test_core import assert_between_steps, global_mean
 
 pytestmark = pytest.mark.timeout(300)

@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from dist_utils import run_distributed
 from models import Net, batches, loss_fn
-from shardwise import FSDPModule, MixedPrecisionPolicy, Phase, collectives, fully_shard
+from shardwise import FSDPModule, MixedPrecisionPolicy, Phase, fully_shard
+from shardwise.comm import collectives
 from test_core import Boom, assert_between_steps, global_mean, shard_net, step_and_compare
 
 pytestmark = pytest.mark.timeout(240)

@@ -33,7 +33,8 @@ import models
 import shardwise
 import shardwise.checkpoint as sw_checkpoint
 from dist_utils import check_results, run_distributed
-from shardwise import FSDPModule, collectives, fully_shard
+from shardwise import FSDPModule, fully_shard
+from shardwise.comm import collectives
 from shardwise_app.models.gpt import Block, GPTConfig
 
 pytestmark = pytest.mark.timeout(300)

@@ -320,7 +320,7 @@ def test_offload_copies_count_what_a_gpu_run_holds() -> None:
     per copy)."""
     import torch
 
-    from shardwise import offload
+    from shardwise.layout import offload
     from shardwise_plan.tracker import Tracker
 
     tracker = Tracker()

@@ -151,7 +151,7 @@ def _gloo_reduce_scatter_memory(rank: int, world: int) -> dict[str, int]:
     import torch
     import torch.distributed as dist
 
-    from shardwise import collectives
+    from shardwise.comm import collectives
     from shardwise_plan.measure import free_handles_here
 
     free_handles_here()  # else gloo's thread may free the clone where no profiler sees
@@ -193,7 +193,7 @@ def _gloo_gather_memory(rank: int, world: int, numels: list[int]) -> dict[str, i
     import torch
     import torch.distributed as dist
 
-    from shardwise import collectives
+    from shardwise.comm import collectives
 
     inps = [torch.ones(n) for n in numels]
     outs = [torch.empty(world * n) for n in numels]
@@ -252,7 +252,7 @@ def _gloo_clone_frees(rank: int, world: int, rounds: int) -> tuple[int, int, int
     import torch
     import torch.distributed as dist
 
-    from shardwise import collectives
+    from shardwise.comm import collectives
     from shardwise_plan.measure import free_handles_here
 
     free_handles_here()

@@ -56,9 +56,10 @@ from torch.optim._muon import (  # torch's own, so the arithmetic is torch's
 )
 from torch.optim.optimizer import ParamsT, _to_scalar
 
-from .. import api, collectives
-from ..flat_shard import local_of
-from ..sharded_param import ShardedParam
+from .. import api
+from ..comm import collectives
+from ..layout.flat_shard import local_of
+from ..layout.sharded_param import ShardedParam
 
 __all__ = ["Muon", "newton_schulz_flops", "owners"]
 

@@ -181,7 +181,7 @@ def run(rank: int, world: int, impl: str, case: str) -> Any:
         return fallback()
     if case == "accum-control":
         if impl == "shardwise":
-            from shardwise.fsdp_module import FSDPModule
+            from shardwise.runtime.fsdp_module import FSDPModule
         else:
             from torch.distributed.fsdp import FSDPModule
         with patched(FSDPModule, "set_requires_gradient_sync", lambda self, *a, **k: None):

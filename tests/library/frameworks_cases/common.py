@@ -122,7 +122,7 @@ def count_reduce_scatters(impl: str) -> Iterator[Counter]:
     """Count gradient reduce-scatters (shardwise: its observer; FSDP2: torch's call)."""
     seen: Counter = Counter()
     if impl == "shardwise":
-        from shardwise import collectives
+        from shardwise.comm import collectives
 
         remove = collectives.add_observer(
             lambda rec, _: seen.update([rec.label]) if rec.kind == "reduce_scatter" else None

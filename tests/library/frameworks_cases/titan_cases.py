@@ -213,7 +213,7 @@ def run(rank: int, world: int, impl: str, case: str) -> Any:
         # Sabotage: the FSDP ignores torchtitan's set_gradient_divide_factor(1.0)
         # and averages on top of the global-token normalisation.
         if impl == "shardwise":
-            from shardwise.fsdp_module import FSDPModule
+            from shardwise.runtime.fsdp_module import FSDPModule
         else:
             from torch.distributed.fsdp import FSDPModule
         with patched(FSDPModule, "set_gradient_divide_factor", lambda self, factor: None):

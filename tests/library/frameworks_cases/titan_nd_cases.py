@@ -384,7 +384,7 @@ def redistributed(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def _fsdp_module_class(impl: str) -> Any:
     if impl == "shardwise":
-        from shardwise.fsdp_module import FSDPModule
+        from shardwise.runtime.fsdp_module import FSDPModule
     else:
         from torch.distributed.fsdp import FSDPModule
     return FSDPModule

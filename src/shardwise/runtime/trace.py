@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from . import collectives
+from ..comm import collectives
 
 # The runtime's labels lived here first; labels.py is their home (below the collectives).
-from .labels import _NO_LABEL, LABELS, PREFIX, label, memory_labels
+from ..layout.labels import _NO_LABEL, LABELS, PREFIX, label, memory_labels
 
 __all__ = [
     "LABELS",

@@ -56,10 +56,11 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from . import collectives, node_collectives, offload
+from ..layout import offload
+from ..layout.flat_shard import FlatShard
+from ..layout.labels import label
+from . import collectives, node_collectives
 from .comm_policy import CommPolicy
-from .flat_shard import FlatShard
-from .labels import label
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ from typing import Any
 
 from torch.distributed import ProcessGroup
 
-from .collectives import Allocator
-from .comm_policy import CommPolicy
-from .offload import CPUOffloadPolicy
-from .precision import MixedPrecisionPolicy
-from .reduce import ReduceSettings
+from ..comm.collectives import Allocator
+from ..comm.comm_policy import CommPolicy
+from ..comm.reduce import ReduceSettings
+from ..layout.offload import CPUOffloadPolicy
+from ..layout.precision import MixedPrecisionPolicy
 
 # What ``fully_shard`` fixes: ``change`` refuses these.
 FIXED = frozenset({"mp_policy", "offload_policy", "prefetch"})

@@ -23,8 +23,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from . import collectives, comm_policy, node_collectives, root
-from .comm_policy import CommPolicy
+from ..comm import collectives, comm_policy, node_collectives
+from ..comm.comm_policy import CommPolicy
+from . import root
 from .context import FSDPContext, Phase, RootSettings
 from .module import ModuleState
 from .param_group import ParamGroup

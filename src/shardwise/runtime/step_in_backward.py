@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .flat_shard import local_of
+from ..layout.flat_shard import local_of
 
 MARK = "_shardwise_steps_in_backward"  # on parameters stepped inside backward (clip.py reads it)
 

@@ -31,13 +31,13 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from ..layout.containers import map_tensors, tensors_in
+from ..layout.precision import cast_floats
 from . import pipeline_stage, root
 from .check import check_forward_entry
-from .containers import map_tensors, tensors_in
 from .context import ExecutionOrder, FSDPContext, ModuleLifecycle, Phase, RootSettings
 from .lifecycle import Event, GroupState
 from .param_group import Attachment, will_run
-from .precision import cast_floats
 from .settings import GroupSettings
 from .trace import active as active_trace
 

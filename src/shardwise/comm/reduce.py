@@ -34,12 +34,13 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from . import collectives, node_collectives, offload
+from ..layout import offload
+from ..layout.flat_shard import FlatShard
+from ..layout.labels import label
+from ..layout.offload import CPUOffloadPolicy
+from ..layout.sharded_param import ShardedParam
+from . import collectives, node_collectives
 from .comm_policy import CommPolicy
-from .flat_shard import FlatShard
-from .labels import label
-from .offload import CPUOffloadPolicy
-from .sharded_param import ShardedParam
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives, gather, reduce
-from .flat_shard import FlatShard, local_of
-from .offload import CPUOffloadPolicy
-from .precision import MixedPrecisionPolicy
-from .reduce import HeldBack, ReduceComm, ReduceJob, ReduceSettings
-from .tensor_parallel import TPLayout
+from ..comm import collectives, gather, reduce
+from ..comm.reduce import HeldBack, ReduceComm, ReduceJob, ReduceSettings
+from ..layout.flat_shard import FlatShard, local_of
+from ..layout.offload import CPUOffloadPolicy
+from ..layout.precision import MixedPrecisionPolicy
+from ..layout.tensor_parallel import TPLayout
 
 
 class MeshPart:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import collectives
+from ..comm import collectives
 
 
 def running_stage() -> tuple[Any, Any] | None:

@@ -40,15 +40,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import gather, lifecycle
-from .flat_shard import local_of
+from ..comm import gather
+from ..comm.reduce import ReduceComm
+from ..layout.flat_shard import local_of
+from ..layout.sharded_param import ShardedParam
+from ..layout.tensor_parallel import TPLayout
+from . import lifecycle
 from .lifecycle import GROUP_TRANSITIONS, GroupState, check_group
 from .mesh_part import MeshPart, Reduction, Reductions, split_by_mesh
-from .reduce import ReduceComm
 from .settings import COMM_SETTINGS, GroupSettings
-from .sharded_param import ShardedParam
 from .step_in_backward import StepInBackward
-from .tensor_parallel import TPLayout
 from .trace import active as active_trace
 
 

@@ -32,7 +32,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 import torch.nn as nn
 
-from . import lifecycle, offload
+from ..layout import offload
+from . import lifecycle
 from .lifecycle import TRANSITIONS, Event, Stage, next_stage
 from .mesh_part import Reduction
 from .param_group import ParamGroup
