@@ -2,7 +2,7 @@
 
     python benchmarks/fuzz.py --configs 1000 --seed 0
 
-Each composition (tests/library/fuzz_runtime.py's ``Config``, drawn by ``generate``
+Each composition (tests/library/fuzz/fuzz_runtime.py's ``Config``, drawn by ``generate``
 from seeds S, S+1, ...; a seed that draws a composition already run is skipped) trains
 2 or 3 steps on gloo ranks beside one process on the whole batch; losses, every
 gradient, the clipped norm and every parameter are compared after each step. The
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # imported in main, after the arguments are checked (torch ta
     from fuzz_runtime import Config
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "library")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "library" / "fuzz")]
 
 OUTCOMES = ("ok", "refused", "diverged-shardwise-only", "diverged-shared-with-fsdp2", "crashed")
 

@@ -398,7 +398,7 @@ def _owned_params(
     would keep ``found`` (every original parameter, on the GPU the whole
     unsharded module) alive after ``fully_shard`` until the garbage collector
     happens to run, so the device memory of later steps would depend on when
-    that is (tests/library/test_no_cycles.py).
+    that is (tests/library/runtime/test_no_cycles.py).
     """
     found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     sharded: set[int] | None = None  # ids of live sharded DTensors, once a DTensor shows up

@@ -23,7 +23,7 @@ a gradient overflow stays visible to a loss scaler, never silently clipped.
 
 Torch ops only, shapes fixed by the arguments (no data-dependent Python
 control flow): ``torch.compile(fullgraph=True)`` traces it
-(tests/library/test_comm_policy.py).
+(tests/library/comm/test_comm_policy.py).
 
 Alternatives considered. (1) Asymmetric (min/max, zero point) int8: one more
 value per block and a subtraction, for a gain only on blocks far from

@@ -12,7 +12,7 @@ unpack as well for one shape, but compiled for every module's shard size
 The same numbers as the eager path: the scale is ``absmax / 127`` in fp32, the
 value ``x / scale`` (an IEEE division) rounded half to even, clamped to
 ``[-127, 127]``; a block of zeros has scale 0 and unpacks to zeros
-(benchmarks/quantize_cost.py and tests/library/test_comm_policy.py compare the
+(benchmarks/quantize_cost.py and tests/library/comm/test_comm_policy.py compare the
 bytes with torch's on a GPU). A block with a
 NaN or an infinity gets a NaN scale and unpacks to NaN (eager: a NaN or
 infinite scale, non-finite values): a gradient overflow stays visible.

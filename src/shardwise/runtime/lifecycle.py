@@ -16,7 +16,7 @@ sharded after forward is ``AFTER_FORWARD`` with ``SHARDED`` or
 
 An event the table does not admit raises ``LifecycleError`` naming the module,
 its state and the event, in every run (one dict look-up: no cost the host-time
-benchmark sees). ``tests/library/test_lifecycle.py`` drives every kind of step
+benchmark sees). ``tests/library/runtime/test_lifecycle.py`` drives every kind of step
 the runtime supports and checks that the transitions taken are exactly the
 table's: none missing from it, none in it that never happens.
 
@@ -169,6 +169,6 @@ def check_group(label: str, state: GroupState, new: GroupState) -> None:
         observed_groups.add((state, new))
 
 
-# Set to a set by tests/library/test_lifecycle.py: every transition taken is added.
+# Set to a set by tests/library/runtime/test_lifecycle.py: every transition taken is added.
 observed: set[tuple[Stage, Event]] | None = None
 observed_groups: set[tuple[GroupState, GroupState]] | None = None
