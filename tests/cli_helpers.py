@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from shardwise_app.cli.signals import READY_DIR_ENV
+
 # Small and quick, but still a real run: 2 ranks, validation, a checkpoint.
 FAST = ["--steps", "24", "--batch-size", "8", "--seq-len", "64", "--eval-every", "8"]
 # A run long enough to be stopped from outside while it trains.
@@ -22,6 +24,7 @@ def env() -> dict[str, str]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDWISE_LAUNCH_ID"):
         e.pop(k, None)
     e.pop("SHARDWISE_RUN_CONFIG", None)
+    e.pop(READY_DIR_ENV, None)
     return e
 
 
@@ -36,17 +39,24 @@ def shardwise(*args: str, cwd: Path, timeout: float = 150) -> subprocess.Complet
     )
 
 
-def start(*args: str, cwd: Path, log: Path | None = None) -> subprocess.Popen[str]:
+def start(
+    *args: str, cwd: Path, log: Path | None = None, ready: Path | None = None
+) -> subprocess.Popen[str]:
     """``shardwise ARGS`` in the background, in its own session as a terminal job would be.
 
     With ``log``, stdout and stderr go to that file: workers that outlive
-    their launcher keep a pipe open, a file they do not.
+    their launcher keep a pipe open, a file they do not. With ``ready`` (a
+    folder, made here), the workers announce their phases there (``announced``).
     """
     out = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 - the child holds it
+    e = env()
+    if ready is not None:
+        ready.mkdir(parents=True, exist_ok=True)
+        e[READY_DIR_ENV] = str(ready)
     return subprocess.Popen(
         [sys.executable, "-m", "shardwise", *args],
         cwd=cwd,
-        env=env(),
+        env=e,
         stdout=out,
         stderr=subprocess.STDOUT if log else subprocess.PIPE,
         text=True,
@@ -60,6 +70,34 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float = 90) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def announced(ready: Path, phase: str) -> dict[int, int]:
+    """rank -> pid of each worker that announced ``phase`` ("armed": its entry took the stop
+    signals over; "joined": it joined the process group) in the folder ``ready``
+    (cli/signals.py's ``announce``); a restarted worker's announcement replaces the last."""
+    found = {}
+    for f in ready.glob(f"rank*.{phase}"):
+        try:
+            found[int(f.name[len("rank") : -len(phase) - 1])] = int(f.read_text())
+        except (OSError, ValueError):  # replaced between the listing and the read
+            continue
+    return found
+
+
+def wait_announced(
+    ready: Path, phase: str, ranks: int, proc: subprocess.Popen[str] | None = None
+) -> dict[int, int]:
+    """Wait until ``ranks`` workers announced ``phase``; rank -> pid. Fails at once with the
+    job's exit code if ``proc`` (the launcher) ends first."""
+
+    def done() -> bool:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"ended ({proc.returncode}) before every rank was {phase}")
+        return len(announced(ready, phase)) >= ranks
+
+    wait_for(f"{ranks} workers {phase}", done, timeout=150)
+    return announced(ready, phase)
 
 
 def rows(run: Path) -> list[dict]:
@@ -95,16 +133,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def handles_sighup(pid: int) -> bool:
-    """Whether the process caught SIGHUP: a worker past Python's own start-up (cli/worker.py)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(caught.split()[1], 16) & 1 << (1 - 1))  # SIGHUP is signal 1
 
 
 def rank_of(pid: int) -> int:

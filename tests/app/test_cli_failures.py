@@ -27,12 +27,12 @@ from cli_helpers import (
     checkpoints,
     children,
     env,
-    handles_sighup,
     one_line,
     rank_of,
     rows,
     shardwise,
     start,
+    wait_announced,
     wait_for,
 )
 
@@ -48,11 +48,11 @@ def summary(run: Path) -> dict:
 def test_ctrl_c_while_starting_then_kill_9_of_the_launcher(tmp_path: Path) -> None:
     """Items 4 and 2: an early Ctrl-C leaves nothing behind; orphaned workers stop and save."""
     run = tmp_path / "run"
-    proc = start("train", *LONG, "--out", "run", cwd=tmp_path)
+    ready = tmp_path / "ready"
+    proc = start("train", *LONG, "--out", "run", cwd=tmp_path, ready=ready)
     # The workers are importing torch: the seconds after pressing Enter. (The
     # few milliseconds before Python runs our entry module are not covered.)
-    wait_for("the workers", lambda: len(children(proc.pid)) == 2)
-    wait_for("the workers' entry", lambda: all(map(handles_sighup, children(proc.pid))))
+    wait_announced(ready, "armed", 2, proc)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out + err

@@ -1,12 +1,15 @@
 """A stop is honoured within a bound, whatever the workers are doing (issue 52).
 
-A step or a save is made to last for good (``SHARDWISE_TEST_STALL``, cli/train.py):
+A step or a save is made to last for good (``SHARDWISE_TEST_STALL``, read by the
+test-only ``stall_plugin/sitecustomize.py`` this test puts on ``PYTHONPATH``):
 the stalled worker's main thread blocks its stop signals and sleeps, as a long
 C++ call would, and its peer waits for it inside a real gloo collective. So
 nothing that needs the main thread (a Python signal handler, the next step
 boundary) can end either: only what signals.py does on its own threads. The
 bound is ``--stop-grace``, short here (3 s). 2 CPU ranks, a tiny model.
 
+The workers are found by what they announce (``SHARDWISE_READY_DIR``,
+cli/signals.py's ``announce``), not guessed from the process table.
 Every test kills what it started in ``finally``, whatever happened.
 """
 
@@ -23,23 +26,32 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import alive, children, env, handles_sighup, one_line, rank_of, rows, wait_for
-from shardwise_app.cli.signals import STOP_FD_ENV
+from cli_helpers import alive, announced, env, one_line, rows, wait_announced, wait_for
+from shardwise_app.cli.signals import READY_DIR_ENV, STOP_FD_ENV
 
 GRACE = 3.0
 TINY = ["--batch-size", "4", "--seq-len", "32", "--eval-every", "4", "--nproc", "2"]
+STALL_PLUGIN = Path(__file__).parent / "stall_plugin"
 
 
 class Job:
-    """``shardwise ARGS`` in its own session, output to a file; every process it made is
-    remembered, so that ``kill_all`` can end them even once the launcher is gone."""
+    """``shardwise ARGS`` in its own session, output to a file; every worker it announced
+    is remembered, so that ``kill_all`` can end them even once the launcher is gone."""
 
     def __init__(self, tmp: Path, args: list[str], stall: str | None, torchrun: bool) -> None:
         self.mark = tmp / "stalled"
         self.log = tmp / "log"
-        e = env()
+        self.ready = tmp / "ready"
+        shutil.rmtree(self.ready, ignore_errors=True)  # a job before this one's
+        self.ready.mkdir()
+        e = env() | {READY_DIR_ENV: str(self.ready)}
         if stall:
-            e |= {"SHARDWISE_TEST_STALL": stall, "SHARDWISE_TEST_STALL_MARK": str(self.mark)}
+            path = [str(STALL_PLUGIN), *filter(None, [e.get("PYTHONPATH")])]
+            e |= {
+                "PYTHONPATH": os.pathsep.join(path),
+                "SHARDWISE_TEST_STALL": stall,
+                "SHARDWISE_TEST_STALL_MARK": str(self.mark),
+            }
         head = [sys.executable, "-m", "shardwise"]
         if torchrun:
             torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
@@ -56,25 +68,35 @@ class Job:
             )
         self.seen: set[int] = set()
 
-    def workers(self) -> list[int]:
-        """The ranks' processes (children of the launcher, or of torchrun)."""
-        found = [p for p in children(self.proc.pid) if _is_rank(p)]
-        self.seen.update(found)
+    def workers(self, phase: str = "joined") -> dict[int, int]:
+        """rank -> pid of the workers that announced ``phase``."""
+        found = announced(self.ready, phase)
+        self.seen.update(found.values())
+        return found
+
+    def wait_joined(self, ranks: int = 2) -> dict[int, int]:
+        """Every rank joined its process group: past its start, its stop rules final."""
+        found = wait_announced(self.ready, "joined", ranks, self.proc)
+        self.seen.update(found.values())
         return found
 
     def wait_for_stall(self, ranks: int = 2) -> list[int]:
+        joined = self.wait_joined(ranks)
+
         def stalled() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"ended ({self.proc.returncode}): {self.output()}")
-            return self.mark.exists() and len(self.workers()) == ranks
+            return self.mark.exists()
 
         wait_for("the stall", stalled, timeout=150)
-        return self.workers()
+        return list(joined.values())
 
     def output(self) -> str:
         return self.log.read_text()
 
     def kill_all(self) -> None:
+        self.workers("armed")
+        self.workers("joined")
         for pid in [self.proc.pid, *self.seen]:
             try:
                 os.killpg(pid, signal.SIGKILL)  # a session leader: the launcher, torchrun's ranks
@@ -88,14 +110,6 @@ class Job:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-
-
-def _is_rank(pid: int) -> bool:
-    try:
-        rank_of(pid)
-        return True
-    except (OSError, StopIteration):
-        return False
 
 
 @pytest.fixture
@@ -232,7 +246,7 @@ def test_two_sigterms_to_a_worker_end_it_at_once(job) -> None:
     j = job("train", *TINY, "--steps", "12", "--stop-grace", "600", "--out", "run",
             stall="step 3 1")  # fmt: skip
     workers = j.wait_for_stall()
-    rank1 = next(p for p in workers if rank_of(p) == 1)
+    rank1 = j.workers()[1]
     os.kill(rank1, signal.SIGTERM)
     time.sleep(0.5)
     assert alive(rank1)  # the first asks for a stop at a boundary
@@ -283,39 +297,12 @@ def test_sample_workers_end_at_once_on_a_signal_and_with_their_launcher(job, tmp
     gone_within(workers, 5)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def generating(j: Job) -> list[int]:
-    """The two workers of ``j``, once past their start (their stop signals back to the
-    defaults, cli/checkpoint_command.py) and a few seconds into the work. Past the start:
-    seen handling SIGHUP and then not, or (a quiet machine starts them between two
-    looks) not handling it after 5 s of CPU each, more than a start (imports) takes."""
-
-    def started() -> bool:
-        if j.proc.poll() is not None:
-            raise AssertionError(f"ended ({j.proc.returncode}): {j.output()}")
-        ws = j.workers()
-        return len(ws) == 2 and all(
-            not handles_sighup(p) and (handled.get(p) or _cpu_seconds(p) > 5) for p in ws
-        )
-
-    handled: dict[int, bool] = {}
-
-    def seen() -> bool:
-        for p in j.workers():
-            handled[p] = handled.get(p, False) or handles_sighup(p)
-        return started()
-
-    wait_for("the workers to start", seen, timeout=120)
-    time.sleep(3)
-    return j.workers()
+    """The two workers of ``j``, once joined (their stop signals back to the defaults
+    before, cli/checkpoint_command.py) and a moment into the work."""
+    workers = list(j.wait_joined().values())
+    time.sleep(2)
+    return workers
 
 
 # ---- bad values ----------------------------------------------------------------------------

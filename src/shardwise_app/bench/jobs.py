@@ -6,21 +6,27 @@ rounds (A B C A B C ...) spreads machine drift over every configuration
 equally. Each job builds the same model from the same seed, trains
 ``warmup + steps`` timed steps on the same data, reports the median step, then
 runs one more, untimed step whose memory is broken down (``memory.py``).
+The ranks are ``python -m shardwise_app.bench.rank`` (rank.py), started and
+watched by the one local launcher the application and the planner use too
+(shardwise_plan/ranks.py).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import socket
+import pickle
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..cli.common import LAUNCH_ID_ENV
 from ..models.gpt import compile_blocks
 from . import memory
 from .models import ModelSpec, build, logits
@@ -43,12 +49,6 @@ class Job:
     offload: bool = False  # CPU offload (FSDP2's and shardwise's CPUOffloadPolicy)
     float8: bool = False  # torchao float8 training of the blocks' linears, fp8 all-gather
     optimizer_in_backward: bool = False  # shardwise steps each module inside backward
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _spec(job: Job) -> ModelSpec:
@@ -149,19 +149,20 @@ def _traced_step(job: Job, step: Callable[[], None], opt: Any) -> dict[str, Any]
     }
 
 
-def _worker(rank: int, job: Job, port: int, q: Any) -> None:
+def job_rank(job: Job, q: Any) -> None:
+    """One rank of ``job`` (``python -m shardwise_app.bench.rank``, started by ``run_job``):
+    rank 0 puts ``("ok", result)`` into ``q``, a rank that fails ``("error", why)``."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     try:
+        rank = int(os.environ["RANK"])
         cuda = job.device == "cuda"
         if cuda:
             torch.cuda.set_device(rank)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.nproc))
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job.nproc
-        )
+        dist.init_process_group(backend)  # torchrun's environment, from the local launcher
         # Resident now, before the model: Python, torch, the process group. Not
         # the high-water mark, which includes what imports held for a moment.
         baseline_rss = memory.rss_bytes() or memory.peak_rss_bytes()
@@ -280,59 +281,54 @@ def _worker(rank: int, job: Job, port: int, q: Any) -> None:
         import traceback
 
         q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    _end(q)
-
-
-def _end(q: Any) -> None:
-    """The result delivered, end without interpreter finalization, whose race
-    with gloo's threads can abort a finished worker (cli/worker.py's ``end`` says how)."""
-    from ..cli.worker import end
-
-    q.close()
-    q.join_thread()  # the queue's feeder thread has handed the result over
-    end(0)
 
 
 def run_job(job: Job, timeout: float = 900) -> dict[str, Any]:
-    import queue
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, job, port, q)) for r in range(job.nproc)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                status, payload = q.get(timeout=5)
-                break
-            except queue.Empty:
-                # A worker killed outright (the kernel's OOM killer) sends nothing:
-                # without this a sweep would wait out the whole timeout.
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    status = "error"
-                    payload = (
-                        f"a worker exited with code {dead[0]} without a result"
-                        if dead
-                        else f"no result after {timeout:.0f} s"
-                    )
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    """``job`` in ``job.nproc`` fresh ranks; its result, or a RuntimeError naming why not."""
+    status, payload = _launch(("job", job), job.nproc, timeout)
     if status != "ok":
         raise RuntimeError(f"{job.config} failed: {payload}")
-    return payload
+    return payload  # type: ignore[no-any-return]
 
 
-def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -> None:
+def _launch(task: tuple[Any, ...], nproc: int, timeout: float) -> tuple[str, Any]:
+    """``task`` run by ``nproc`` ranks of ``python -m shardwise_app.bench.rank`` through the
+    one local launcher (shardwise_plan/ranks.py); the first result a rank delivers.
+
+    A worker killed outright (the kernel's OOM killer) delivers nothing: its exit
+    ends the wait at once, so a sweep does not wait out the whole timeout.
+    """
+    from shardwise_plan.ranks import LocalRanks
+
+    with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
+        task_file, result = Path(tmp) / "task.pkl", Path(tmp) / "result.pkl"
+        task_file.write_bytes(pickle.dumps(task))
+        env = {k: v for k, v in os.environ.items() if k != LAUNCH_ID_ENV}
+        ranks = LocalRanks(
+            "shardwise_app.bench.rank", [str(task_file), str(result)], nproc, env=env
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not result.exists():
+                codes = ranks.poll()
+                dead = [c for c in codes.values() if c not in (None, 0)]
+                if dead:
+                    return "error", f"a worker exited with code {dead[0]} without a result"
+                if all(c is not None for c in codes.values()):
+                    return "error", "every worker exited without a result"
+                if time.monotonic() > deadline:
+                    return "error", f"no result after {timeout:.0f} s"
+                time.sleep(0.05)
+            return pickle.loads(result.read_bytes())  # type: ignore[no-any-return]
+        finally:
+            # The result delivered, the ranks end on their own within seconds.
+            end_by = time.monotonic() + 30
+            while ranks.running() and time.monotonic() < end_by:
+                time.sleep(0.05)
+            ranks.kill(ranks.running())
+
+
+def overhead_rank(n_modules: int, steps: int, q: Any) -> None:
     """Hook cost per module: many tiny linears, one rank, configurations alternated per step."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -341,7 +337,7 @@ def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -
 
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group("gloo")  # one rank, from the local launcher
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (1,))
@@ -374,19 +370,11 @@ def _overhead_worker(rank: int, n_modules: int, steps: int, port: int, q: Any) -
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001
         q.put(("error", repr(e)))
-    _end(q)
 
 
 def hook_overhead_us(n_modules: int = 64, steps: int = 60) -> dict[str, float]:
     """Microseconds per module per forward+backward added over the bare model (CPU, 1 rank)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_overhead_worker, args=(0, n_modules, steps, _free_port(), q))
-    proc.start()
-    status, payload = q.get(timeout=600)
-    proc.join()
+    status, payload = _launch(("overhead", n_modules, steps), 1, 600)
     if status != "ok":
         raise RuntimeError(payload)
-    return payload
+    return payload  # type: ignore[no-any-return]

@@ -25,13 +25,11 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import (
     EXIT_USAGE,
@@ -42,7 +40,10 @@ from .common import (
     usable_cpus,
 )
 from .failures import EXIT_NO_RETRY, launcher_message, overdue_message, what_failed
-from .signals import DEFAULT_STOP_GRACE_S, EXIT_STOP_OVERDUE, STOP_FD_ENV, STOP_SIGNALS
+from .signals import DEFAULT_STOP_GRACE_S, EXIT_STOP_OVERDUE, STOP_FD_ENV, LauncherSignals
+
+if TYPE_CHECKING:
+    from shardwise_plan.ranks import LocalRanks
 
 # The process group's timeout: a worker that waits this long for a peer in a
 # collective gives up. The backends wait 10 (NCCL) or 30 (gloo) minutes.
@@ -128,7 +129,7 @@ def launch(
         if v is not None and v is not False
     ]
     raise_if_interrupted()
-    signals = _Signals()
+    signals = LauncherSignals()
     try:
         for attempt in range(max_restarts + 1):
             workers = _Workers(command, argv, where, attempt)
@@ -176,21 +177,6 @@ def launch(
         signals.restore()
 
 
-class _Signals:
-    """Stop signals, recorded by the handler and acted on by the polling loop."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._before = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
-
-    def restore(self) -> None:
-        for sig, handler in self._before.items():
-            signal.signal(sig, handler)
-
-
 class _Ended:
     def __init__(
         self,
@@ -231,7 +217,9 @@ def _stopped_by(code: int, signum: int | None) -> bool:
 
 
 class _Workers:
-    """One start of this node's workers, as ``python -m shardwise_app.cli COMMAND``.
+    """One start of this node's workers, as ``python -m shardwise_app.cli COMMAND``, through
+    the one local launcher (shardwise_plan/ranks.py, which the planner and the benchmark
+    use too).
 
     That entry module sets up signals before torch is imported (worker.py).
     Each worker shares the launcher's process group, so that a terminal's
@@ -245,54 +233,53 @@ class _Workers:
     """
 
     def __init__(self, command: str, argv: list[str], where: Launch, attempt: int) -> None:
-        if where.rdzv_endpoint:
-            host, _, port = where.rdzv_endpoint.rpartition(":")
-        else:
-            host, port = "127.0.0.1", str(_free_port())
-        node = where.node_rank or 0
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self._stop_pipes: dict[int, int] = {}  # rank -> the write end
-        for local in range(where.nproc):
-            rank = node * where.nproc + local
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local),
-                "WORLD_SIZE": str(where.world),
-                "LOCAL_WORLD_SIZE": str(where.nproc),
-                "GROUP_RANK": str(node),
-                "MASTER_ADDR": host,
-                "MASTER_PORT": port,
-                "TORCHELASTIC_RESTART_COUNT": str(attempt),
-            }
-            cmd = [sys.executable, "-m", "shardwise_app.cli", command, *argv]
-            read, self._stop_pipes[rank] = os.pipe()  # neither end inherited by others
-            env[STOP_FD_ENV] = str(read)
-            try:
-                self.procs[rank] = subprocess.Popen(cmd, env=env, pass_fds=(read,))
-            finally:
-                os.close(read)
+        # Here, not at the top: the planner's package imports torch and the library,
+        # which a command checking its flags must not wait for.
+        from shardwise_plan.ranks import LocalRanks
 
-    def watch(self, signals: _Signals, stop_grace_s: float) -> _Ended:
+        node = where.node_rank or 0
+        self._stop_pipes: dict[int, int] = {}  # rank -> the write end
+
+        def per_rank(rank: int) -> tuple[dict[str, str], tuple[int, ...]]:
+            read, self._stop_pipes[rank] = os.pipe()  # neither end inherited by others
+            env = {
+                "GROUP_RANK": str(node),
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                STOP_FD_ENV: str(read),
+            }
+            return env, (read,)  # the read end: the worker's alone once it started
+
+        self.ranks: LocalRanks = LocalRanks(
+            "shardwise_app.cli",
+            [command, *argv],
+            where.nproc,
+            world=where.world,
+            node_rank=node,
+            endpoint=where.rdzv_endpoint,
+            per_rank=per_rank,
+        )
+        self.procs = self.ranks.procs
+
+    def watch(self, signals: LauncherSignals, stop_grace_s: float) -> _Ended:
         """Poll until every worker has ended, acting on signals and failures."""
         seen, failed_at, stop_at = 0, None, None
         while True:
             if len(signals.received) > seen:
                 if seen >= 1:  # the second: no more waiting for a save
-                    self._kill(list(self.procs))
-                    return _Ended(self._codes(), [], forced=True)
+                    self.ranks.kill(list(self.procs))
+                    return _Ended(self.ranks.codes(), [], forced=True)
                 for sig in signals.received[seen:]:
                     self._send(sig)
                 seen = len(signals.received)
                 stop_at = time.monotonic()
-            codes = {r: p.poll() for r, p in self.procs.items()}
+            codes = self.ranks.poll()
             if all(c is not None for c in codes.values()):
-                return _Ended(self._codes(), [])
+                return _Ended(self.ranks.codes(), [])
             # Each worker ends itself at the deadline; one that cannot (stopped
             # with SIGSTOP, stuck in the kernel) is killed a little after it.
             if stop_at is not None and time.monotonic() - stop_at > stop_grace_s + _GRACE_S:
-                self._kill([r for r, c in codes.items() if c is None])
-                return _Ended(self._codes(), [], late=True)
+                self.ranks.kill([r for r, c in codes.items() if c is None])
+                return _Ended(self.ranks.codes(), [], late=True)
             first = signals.received[0] if signals.received else None
             if failed_at is None and any(
                 c is not None and not _stopped_by(c, first) for c in codes.values()
@@ -300,12 +287,9 @@ class _Workers:
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
                 running = [r for r, c in codes.items() if c is None]
-                self._kill(running)
-                return _Ended(self._codes(), running)
+                self.ranks.kill(running)
+                return _Ended(self.ranks.codes(), running)
             time.sleep(_POLL_S)
-
-    def _codes(self) -> dict[int, int]:
-        return {r: int(p.returncode) for r, p in self.procs.items() if p.returncode is not None}
 
     def _send(self, sig: int) -> None:
         for rank, pipe in self._stop_pipes.items():
@@ -320,20 +304,3 @@ class _Workers:
         for pipe in self._stop_pipes.values():
             os.close(pipe)
         self._stop_pipes.clear()
-
-    def _kill(self, ranks: list[int]) -> None:
-        """SIGKILL, which a stopped process cannot hold pending as it holds SIGTERM."""
-        for r in ranks:
-            if self.procs[r].poll() is None:
-                self.procs[r].kill()
-        for r in ranks:
-            try:
-                self.procs[r].wait(timeout=10)
-            except subprocess.TimeoutExpired:  # uninterruptible sleep: nothing more to do
-                pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

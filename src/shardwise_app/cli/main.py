@@ -11,12 +11,12 @@ Workers our launcher starts enter through ``__main__.py``, which runs
 from __future__ import annotations
 
 import importlib
-import signal
 import sys
 import threading
 
 from ..extras import CLI, CLI_INSTALL, first_missing
-from .common import EXIT_USAGE, UsageError, in_worker, interrupt
+from .common import EXIT_USAGE, UsageError, in_worker
+from .signals import interrupt_on_ctrl_c
 from .worker import keep_going_without_stdout, run_to_end
 
 COMMANDS = {
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     # Nothing is written before the run folder's lock is taken, and a folder
     # holding only the lock is reused as new.
     if not in_worker() and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, interrupt)
+        interrupt_on_ctrl_c()
     try:
         return _main(argv)
     except KeyboardInterrupt:

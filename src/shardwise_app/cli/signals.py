@@ -8,7 +8,12 @@ save). ``signal.set_wakeup_fd`` makes the interpreter's C-level handler,
 which runs on whichever thread the kernel picks, write each signal's number
 to a socket this thread reads; the Python-level handlers do nothing.
 
-What the thread does with a signal depends on where the worker is:
+This is the one module of the application that installs signal handlers
+(tests/app/test_stop_rules.py checks it): the workers' thread here, the
+launcher's recorder (``LauncherSignals``) and the console's Ctrl-C while it
+imports (``interrupt_on_ctrl_c``). What the thread does with a signal is
+decided by ``stop_rules.decide`` from the events so far, without a clock or a
+process of its own; in short, it depends on where the worker is:
 
 - Starting (importing torch, joining the process group): the first signal
   ends it at once, quietly (cli/worker.py says why). Nothing is written before.
@@ -40,7 +45,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Any
+
+from .common import interrupt
+from .stop_rules import Act, Event, Phase, Source, decide, stopped_by
+from .stop_rules import Signal as StopSignal
 
 # A closed terminal or SSH session sends SIGHUP; a scheduler sends SIGTERM.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -52,10 +61,6 @@ EXIT_STOP_OVERDUE = 7  # a worker asked to stop found no step boundary within --
 # The read end of a pipe from our launcher: each byte a stop signal passed on;
 # its end, the launcher's (launcher.py says why not a signal).
 STOP_FD_ENV = "SHARDWISE_STOP_FD"
-# Without our launcher's pipe, the same signal again this soon is the same
-# stop: torchrun passes its SIGTERM on as a signal, and a scheduler that
-# signals every process of a job (SLURM) has already sent the worker its own.
-_SAME_STOP_S = 2.0
 # Past the grace deadline, if even the deadline's thread cannot run (a C
 # extension holding the GIL): faulthandler's own C thread ends the process.
 _LAST_RESORT_S = 5.0
@@ -63,6 +68,35 @@ _LAST_RESORT_S = 5.0
 # (signal, whether the launcher is gone) -> the line a worker with no launcher
 # of ours left says at the deadline, or None for silence.
 Say = Callable[[int, bool], str | None]
+
+
+# A folder where each worker announces each phase it reaches (``announce``): for a
+# supervisor, or a test, to wait for instead of guessing from the process table.
+READY_DIR_ENV = "SHARDWISE_READY_DIR"
+
+
+def announce(phase: str) -> None:
+    """Say that this worker reached ``phase``: the file ``rank{RANK}.{phase}`` in the folder
+    ``SHARDWISE_READY_DIR`` names (if set), holding this process's pid.
+
+    Phases: ``armed`` (our entry module took the stop signals over: the first ends
+    the worker at once), ``joined`` (the process group is joined: a training worker
+    stops at step boundaries from now on, ``sample`` and ``export`` at once).
+
+    Written under a temporary name and renamed, so a reader never sees half of it.
+    A folder that cannot be written is the watcher's problem, not the run's: the
+    worker goes on without saying it.
+    """
+    folder = os.environ.get(READY_DIR_ENV)
+    if not folder:
+        return
+    path = os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.{phase}")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
 
 
 class StopRequest:
@@ -83,11 +117,13 @@ class StopRequest:
 def arm() -> None:
     """From the first lines of a worker our launcher starts: the first signal ends it."""
     _guard.arm()
+    announce("armed")
 
 
 def joined() -> None:
     """The worker joined its process group: a training worker now stops at step boundaries."""
     _guard.joined()
+    announce("joined")
 
 
 def end_at_once() -> None:
@@ -98,9 +134,31 @@ def end_at_once() -> None:
     _watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
+def interrupt_on_ctrl_c() -> None:
+    """The console, from its first line: Ctrl-C raises KeyboardInterrupt (remembered,
+    since an import may swallow it: ``common.raise_if_interrupted``)."""
+    signal.signal(signal.SIGINT, interrupt)
+
+
+class LauncherSignals:
+    """The launcher's stop signals, recorded by the handler and acted on by its polling
+    loop (launcher.py); ``restore`` puts the handlers from before back."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._before = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+
 def stop_when_orphaned() -> None:
     """Stop as on SIGTERM once the process that started us is gone (see ``_watch_parent``)."""
-    _watch_parent(lambda: _guard.signalled(signal.SIGTERM, orphaned=True))
+    _watch_parent(lambda: _guard.signalled(signal.SIGTERM, Source.ORPHANED))
 
 
 def _watch_parent(then: Callable[[], None], poll_s: float = 0.5) -> None:
@@ -125,24 +183,15 @@ def _watch_parent(then: Callable[[], None], poll_s: float = 0.5) -> None:
 
 
 class _Guard:
-    """The process's one signal thread, and what it does with each signal."""
+    """The process's one signal thread: records each event, does what ``decide`` says."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pair: tuple[socket.socket, socket.socket] | None = None  # open for life
         self._stop: StopRequest | None = None
-        self._at_boundary = False
         self._grace_s = DEFAULT_STOP_GRACE_S
         self._say: Say | None = None
-        self._first: int | None = None
-        self._first_at = 0.0
-        self._piped = False  # our launcher passes its signals on through a pipe
-        # The first stop came through that pipe, and whether the same signal has since
-        # come directly too (a terminal's Ctrl-C, a scheduler's SIGTERM reach every
-        # process): that one direct copy is the same stop, whichever arrived first.
-        self._first_passed_on = False
-        self._echo_seen = False
-        self._orphaned = False
+        self._events: list[Event] = []  # a handful: phases and the stops of one run
         self._devnull: IO[str] | None = None
 
     def arm(self) -> None:
@@ -163,8 +212,9 @@ class _Guard:
 
         threading.Thread(target=read, name="shardwise-signals", daemon=True).start()
         fd = os.environ.pop(STOP_FD_ENV, None)
+        with self._lock:
+            self._events.append(Phase.ARMED if fd is None else Phase.ARMED_PIPED)
         if fd is not None:
-            self._piped = True
             self._listen_to_launcher(int(fd))
 
     def _listen_to_launcher(self, fd: int) -> None:
@@ -177,45 +227,32 @@ class _Guard:
                 except OSError:
                     got = b""
                 if not got:  # the launcher is gone, whatever killed it
-                    self.signalled(signal.SIGTERM, orphaned=True)
+                    self.signalled(signal.SIGTERM, Source.ORPHANED)
                     return
-                self.signalled(got[0], passed_on=True)
+                self.signalled(got[0], Source.PASSED_ON)
 
         threading.Thread(target=read, name="shardwise-launcher", daemon=True).start()
 
     def stop_at_boundary(self, stop: StopRequest, grace_s: float, say: Say | None) -> None:
         with self._lock:
             self._stop, self._grace_s, self._say = stop, grace_s, say
-            if self._pair is None:
-                # Not started by our entry module (torchrun): from now on a
-                # signal is a stop request, also while the group is joined.
-                self._at_boundary = True
+            self._events.append(Phase.STOPPABLE)
         self.arm()
 
     def joined(self) -> None:
         with self._lock:
-            self._at_boundary = self._stop is not None
+            self._events.append(Phase.JOINED)
 
-    def signalled(self, signum: int, orphaned: bool = False, passed_on: bool = False) -> None:
-        """A stop signal: sent to this process, ``passed_on`` by our launcher (which passes
-        on only its first), or SIGTERM for a launcher that is gone (``orphaned``)."""
+    def signalled(self, signum: int, source: Source = Source.DIRECT) -> None:
+        """A stop signal: sent to this process, passed on by our launcher (which passes
+        on only its first), or SIGTERM for a launcher that is gone (``ORPHANED``)."""
         with self._lock:
-            if not self._at_boundary:
-                os._exit(128 + signum)
-            if self._first is not None:
-                if orphaned or passed_on:  # the same stop again: the deadline already runs
-                    self._orphaned = self._orphaned or orphaned
-                    return
-                again = time.monotonic() - self._first_at < _SAME_STOP_S
-                if signum == self._first and again and not self._piped:
-                    return  # another launcher's copy of the first
-                if signum == self._first and again and self._first_passed_on:
-                    if not self._echo_seen:
-                        self._echo_seen = True
-                        return  # the direct copy of the stop our launcher passed on
-                os._exit(128 + signum)  # a second signal: no more waiting
-            self._first, self._first_at, self._orphaned = signum, time.monotonic(), orphaned
-            self._first_passed_on = passed_on
+            self._events.append(StopSignal(signum, time.monotonic(), source))
+            decision = decide(self._events)
+            if decision.act is Act.EXIT_AT_ONCE:
+                os._exit(decision.exit_code)
+            if decision.act is Act.NOTHING:
+                return
             assert self._stop is not None
             self._stop.signum = signum
             timer = threading.Timer(self._grace_s, self.overdue)
@@ -229,7 +266,7 @@ class _Guard:
     def overdue(self) -> None:
         """The grace period is over (or a peer ended on its own): say so if ours to say, end."""
         with self._lock:
-            signum, orphaned = self._first or signal.SIGTERM, self._orphaned
+            signum, orphaned = stopped_by(self._events)
         line = None
         if self._say is not None:
             try:

@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from .process_group import init_worker
 from .report import read_json, read_jsonl, stopped_before_the_first_step
 from .run_config import CONFIG_ENV, RunConfig
 from .run_folder import create_and_lock, remove_if_unused, remove_unfinished_saves
-from .signals import STOP_SIGNALS, StopRequest, stop_when_orphaned
+from .signals import StopRequest, stop_when_orphaned
 from .train_config import build_parser, for_restart, is_new_run, newest_saved, resolve
 
 
@@ -120,8 +119,6 @@ def train(args: argparse.Namespace) -> int:
     # module still ends the worker at once (cli/worker.py).
     stop = StopRequest(args.stop_grace, _say_overdue(args))
     stop_when_orphaned()
-    if STALL_ENV in os.environ:
-        _stall_for_tests(os.environ[STALL_ENV])
     w = init_worker(timeout_s=args.timeout)
     try:
         return run_worker(args, w, stop)
@@ -153,55 +150,3 @@ def _say_overdue(args: argparse.Namespace) -> Any:
         return overdue_message("train", cause, args.stop_grace, then)
 
     return say
-
-
-# ---- a step or a save that does not end, for the tests (tests/app/test_cli_stop.py) ---------
-
-# "step N RANK" or "save N RANK": rank RANK's step N (or its save of step N,
-# once its shards are written, before the checkpoint is complete) never ends.
-STALL_ENV = "SHARDWISE_TEST_STALL"
-STALL_MARK_ENV = "SHARDWISE_TEST_STALL_MARK"  # a file made when the stall begins
-
-
-def _stall_for_tests(spec: str) -> None:
-    """Make one step or save last for good, as a long C++ call would: the main thread
-    neither returns nor runs Python's signal handlers (their signals blocked in it),
-    so only what does not need the main thread can stop the worker."""
-    from . import train_loop
-
-    where, at, rank = spec.split()
-    if os.environ.get("RANK") != rank:
-        return
-
-    def stall() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        Path(os.environ.get(STALL_MARK_ENV, os.devnull)).touch()
-        time.sleep(3600)
-
-    if where == "step":
-        step = train_loop.train_step
-
-        def train_step(run: Any, n: int) -> Any:
-            if n == int(at):
-                stall()
-            return step(run, n)
-
-        setattr(train_loop, "train_step", train_step)  # noqa: B010 - typed otherwise
-    else:
-        import torch.distributed.checkpoint as dcp
-
-        saving: list[int] = []
-        save, dcp_save = train_loop.save, dcp.save
-
-        def save_step(run: Any, n: int) -> Any:
-            saving[:] = [n]
-            return save(run, n)
-
-        def write(*a: Any, **k: Any) -> Any:
-            result = dcp_save(*a, **k)
-            if saving == [int(at)]:
-                stall()
-            return result
-
-        setattr(train_loop, "save", save_step)  # noqa: B010
-        setattr(dcp, "save", write)  # noqa: B010
