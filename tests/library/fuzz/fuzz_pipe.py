@@ -2,7 +2,7 @@
 
 4 ranks as a ``("pp", "dp")`` mesh of 2 x 2; the model split as torchtitan splits it (a
 copy of the whole model per stage, the other stages' parts removed, as
-tests/library/test_pipeline.py does), each stage's layers and the stage root sharded
+tests/library/integrations/test_pipeline.py does), each stage's layers and the stage root sharded
 over ``dp``. Drawn: the schedule (every one the installed torch ships), 1 to 4 stages
 on each pipeline rank where the schedule's layout allows (one for GPipe and 1F1B,
 exactly two for the V schedules), ``reshard_after_forward`` (True, False, 1), layers a

@@ -1,8 +1,8 @@
 """HF ``Trainer`` with its FSDP2 path on a small random Llama: one run, losses to JSON.
 
-Run under torchrun (one process per GPU) by tests/test_cuda_frameworks.py:
+Run under torchrun (one process per GPU) by tests/library/cuda/test_cuda_frameworks.py:
 
-    torchrun --nproc-per-node 1 tests/hf_trainer_run.py --impl shardwise --out losses.json
+    torchrun --nproc-per-node 1 tests/library/cuda/hf_trainer_run.py --impl shardwise --out losses.json
 
 ``--impl fsdp2`` is torch's FSDP2 through the same Trainer arguments,
 ``--impl none`` the same Trainer without FSDP (one process, the reference).

@@ -5,7 +5,7 @@ most of the step at 1024 (the gradient copy-in had one: docs/scaling.md).
 Timing would not say so reliably on a busy CI machine; the number of function
 calls (Python and built-in, as cProfile counts them) in one training step
 does, exactly: the calls of the runtime's functions and the calls they make.
-Under torch's fake process group (tests/test_any_world.py) one
+Under torch's fake process group (tests/library/comm/test_any_world.py) one
 process is rank 0 of any world. Up to ``reduce.PIECES_UP_TO`` ranks the copy-in
 copies each rank's piece apart (per-tensor calls, the same at 2 and 8 ranks);
 above, each tensor whole (fewer calls, the same at 16 and 1024).

@@ -61,7 +61,7 @@ def observed_worker(rank: int, world: int) -> dict[str, list]:
 
 
 def test_link_bytes_is_public() -> None:
-    """``observe.LinkBytes`` counts a record's bytes by link (tests/library/test_comm_policy.py
+    """``observe.LinkBytes`` counts a record's bytes by link (tests/library/comm/test_comm_policy.py
     checks it on 2 nodes x 2 ranks)."""
     counter = observe.LinkBytes(1, rank=0)
     counter(observe.CollectiveRecord("all_gather", torch.float32, 4, 16, 2, "", ranks=(0, 1)))

@@ -31,7 +31,7 @@ from dist_utils import named_check_test
 from models import VOCAB, Tiny, batches
 from shardwise import fully_shard
 from shardwise.comm import collectives
-from test_core import global_mean
+from test_parity_and_prefetch import global_mean
 
 pytestmark = pytest.mark.timeout(300)
 aten = torch.ops.aten

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dist_utils import run_distributed
 from test_clients import adamw, enable_checkpointing, hf_loss, hf_model, tolerance
-from test_core import global_mean
+from test_parity_and_prefetch import global_mean
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -22,8 +22,8 @@ from dist_utils import named_check_test, run_distributed
 from models import Net, batches, loss_fn
 from shardwise import fully_shard
 from shardwise.comm import collectives
-from test_core import assert_between_steps, shard_net
-from test_training import reference_and_sharded
+from test_parity_and_prefetch import assert_between_steps, shard_net
+from test_training_options import reference_and_sharded
 
 pytestmark = pytest.mark.timeout(300)
 

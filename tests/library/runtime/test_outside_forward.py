@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from dist_utils import named_check_test
 from shardwise import MixedPrecisionPolicy, fully_shard
-from test_core import assert_between_steps
+from test_parity_and_prefetch import assert_between_steps
 
 pytestmark = pytest.mark.timeout(240)
 

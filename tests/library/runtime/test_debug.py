@@ -15,7 +15,7 @@ import shardwise
 from dist_utils import run_distributed
 from models import Deep, TwoLinears
 from shardwise import LifecycleError, Phase, fully_shard
-from test_core import assert_between_steps
+from test_parity_and_prefetch import assert_between_steps
 
 pytestmark = pytest.mark.timeout(240)
 

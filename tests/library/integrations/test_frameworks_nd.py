@@ -1,6 +1,6 @@
 """torchtitan with pipeline, tensor, expert and context parallel around FSDP (issue #50).
 
-The cases (tests/library/frameworks_cases/titan_nd_cases.py) build each
+The cases (tests/library/integrations/frameworks_cases/titan_nd_cases.py) build each
 layout from torchtitan 0.3.0's own pieces: its configs, ``ParallelDims``,
 ``pipeline_llm`` and the models' ``parallelize_*``. Each is compared inside
 the workers with one process on the whole batch (each step's loss and

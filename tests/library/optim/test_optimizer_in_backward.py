@@ -23,7 +23,7 @@ from dist_utils import named_check_test
 from models import Block, Net, batches, loss_fn
 from shardwise import fully_shard, optimizer_in_backward
 from shardwise.comm import collectives
-from test_core import assert_between_steps, global_mean
+from test_parity_and_prefetch import assert_between_steps, global_mean
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,7 +109,7 @@ def train_and_compare(
 def check_offload(rank: int, world: int, device: str = "cpu") -> None:
     """Offloaded: the steps run on the worker thread; microbatches by set_is_last_backward.
 
-    Also on the GPUs (tests/test_cuda.py): gradients downloaded to pinned memory
+    Also on the GPUs (tests/library/cuda/test_cuda.py): gradients downloaded to pinned memory
     while the thread steps the modules that arrived before.
     """
     torch.manual_seed(0)

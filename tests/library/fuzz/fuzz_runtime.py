@@ -119,7 +119,7 @@ class Config:
         return (
             "# run from the repository root: python repro.py\n"
             "import sys\n\n"
-            'sys.path[:0] = ["tests", "tests/library"]\n'
+            'sys.path[:0] = ["tests", "tests/library/fuzz"]\n'
             "from fuzz_pool import run_one  # noqa: E402\n"
             "from fuzz_runtime import Config  # noqa: E402\n\n"
             'if __name__ == "__main__":\n'

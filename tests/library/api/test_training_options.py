@@ -19,7 +19,7 @@ from dist_utils import run_distributed
 from models import Net, TwoPaths, batches, loss_fn
 from shardwise import MixedPrecisionPolicy
 from shardwise.comm import collectives
-from test_core import assert_between_steps, global_mean, reference_step, shard_net
+from test_parity_and_prefetch import assert_between_steps, global_mean, reference_step, shard_net
 
 pytestmark = pytest.mark.timeout(240)
 

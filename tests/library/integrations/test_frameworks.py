@@ -17,7 +17,7 @@ sync left on during accumulation) and assert the comparison notices.
 
 All cases of one framework run in one set of processes (imports cost
 seconds); each test reads its own case's result. The case code lives in
-tests/frameworks_cases/, one module per framework; the CPU set-up each needs
+tests/library/integrations/frameworks_cases/, one module per framework; the CPU set-up each needs
 is documented in docs/frameworks.md.
 """
 

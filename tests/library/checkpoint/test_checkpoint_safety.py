@@ -6,7 +6,7 @@ checksums left out or rewritten to match, as whoever crafts one would. The
 loaders refuse it in one line, the marker never appears and the model keeps
 its values; the same file, read as torch reads it, does create the marker,
 so the test shows the danger is real. A checkpoint saved by the previous
-format (tests/library/fixtures/checkpoint_format2) still loads, bit for bit.
+format (tests/library/checkpoint/fixtures/checkpoint_format2) still loads, bit for bit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The CUDA variant of the core suite: NCCL, one rank per GPU (one GPU is enough).
 
 Skipped where there is no GPU (CI). Run on a GPU machine with
-``python -m pytest tests/test_cuda.py`` (where shardwise is not installed,
+``python -m pytest tests/library/cuda/test_cuda.py`` (where shardwise is not installed,
 ``PYTHONPATH=$PWD/src:$PWD/tests``: absolute, since the CLI's tests run it
 from a folder of their own).
 """
@@ -18,7 +18,7 @@ import torch
 
 from cli_helpers import shardwise
 from dist_utils import run_distributed
-from test_core import PARITY, parity_worker, recompute_prefetch_worker
+from test_parity_and_prefetch import PARITY, parity_worker, recompute_prefetch_worker
 
 pytestmark = [
     pytest.mark.cuda,
@@ -50,7 +50,7 @@ def bf16_cuda_worker(rank: int, world: int, reduce_dtype: torch.dtype | None) ->
 
     from models import Net, batches, loss_fn
     from shardwise import MixedPrecisionPolicy
-    from test_core import assert_between_steps, reference_step, shard_net
+    from test_parity_and_prefetch import assert_between_steps, reference_step, shard_net
 
     torch.manual_seed(0)
     ref = Net(d=32, ac="none").cuda()
@@ -112,7 +112,7 @@ def test_cuda_one_rank_casts_ahead_in_backward_after_the_first_block() -> None:
     assert needs == ["first_gather", "prefetch_miss", "prefetch_hit", "prefetch_hit"], needs
 
 
-# ---- real clients on GPUs (tests/test_clients.py) ----------------------------------------------
+# ---- real clients on GPUs (tests/library/integrations/test_clients.py) ----------------------------------------------
 
 CLIENT_CASES = ["llama:reentrant", "llama:non-reentrant", "lora:non-reentrant", "lora:reentrant"]
 
@@ -181,7 +181,7 @@ def test_cuda_lora_peak_memory_not_above_fsdp2() -> None:
     assert peaks["shardwise"] <= peaks["fsdp2"], peaks
 
 
-# ---- FSDP2's training semantics on GPUs (tests/test_semantics.py) ------------------------------
+# ---- FSDP2's training semantics on GPUs (tests/library/api/test_training_semantics.py) ------------------------------
 
 SEMANTICS = {
     "dataclass-fp32": ("dataclass_worker", (False,)),
@@ -198,12 +198,14 @@ SEMANTICS = {
 
 @pytest.mark.parametrize("case", list(SEMANTICS))
 def test_cuda_semantics(case: str) -> None:
-    import test_semantics
+    import test_training_semantics
 
     if case.startswith("dataclass") and world() < 2:
         pytest.skip("checks which modules hold gathered memory; one rank holds none (2 GPUs)")
     name, args = SEMANTICS[case]
-    out = run_distributed(getattr(test_semantics, name), world(), *args, "cuda", backend=NCCL)
+    out = run_distributed(
+        getattr(test_training_semantics, name), world(), *args, "cuda", backend=NCCL
+    )
     if case == "frozen-modules":
         assert out[0] <= 2, f"{out[0]} frozen blocks gathered at once in backward"
     if case == "reshard-after-forward-defaults":
@@ -214,7 +216,7 @@ def test_cuda_semantics(case: str) -> None:
 
 def test_cuda_cpu_offload_matches_one_process() -> None:
     """Shards pinned in host memory, uploaded for each gather, CPU gradients and AdamW."""
-    from test_fsdp2_keywords import offload_worker
+    from test_fully_shard_keywords import offload_worker
 
     run_distributed(offload_worker, world(), "cuda", backend=NCCL)
 
@@ -437,7 +439,7 @@ def comm_alloc_worker(rank: int, world: int, mode: str) -> None:
 
     from models import Net, batches
     from shardwise import FSDPModule, MixedPrecisionPolicy
-    from test_core import make_opt, shard_net, step_and_compare
+    from test_parity_and_prefetch import make_opt, shard_net, step_and_compare
 
     torch.manual_seed(0)
     ref = Net(d=32, ac="none").cuda()
@@ -482,6 +484,6 @@ def test_cuda_comm_buffers_from_allocator(mode: str) -> None:
 def test_cuda_reduce_scatter_averages_in_nccl_unless_forced_to_sum() -> None:
     if world() < 2:
         pytest.skip("one rank reduce-scatters nothing")
-    from test_fsdp2_api import force_sum_worker
+    from test_fsdp_module_methods import force_sum_worker
 
     run_distributed(force_sum_worker, world(), "cuda", backend=NCCL)

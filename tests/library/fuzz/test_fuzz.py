@@ -29,7 +29,7 @@ from fuzz_runtime import Config, generate
 
 pytestmark = pytest.mark.timeout(600)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SEEDS = 24
 
 # Divergences found by the fuzzer that others are fixing (issue 56): a drawn composition

@@ -25,7 +25,13 @@ from dist_utils import run_distributed
 from models import Net, batches, loss_fn
 from shardwise import FSDPModule, MixedPrecisionPolicy, Phase, fully_shard
 from shardwise.comm import collectives
-from test_core import Boom, assert_between_steps, global_mean, shard_net, step_and_compare
+from test_parity_and_prefetch import (
+    Boom,
+    assert_between_steps,
+    global_mean,
+    shard_net,
+    step_and_compare,
+)
 
 pytestmark = pytest.mark.timeout(240)
 

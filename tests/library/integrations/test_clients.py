@@ -32,7 +32,7 @@ from dist_utils import run_distributed
 from models import Block
 from shardwise import fully_shard
 from shardwise.comm import collectives
-from test_core import assert_between_steps, global_mean
+from test_parity_and_prefetch import assert_between_steps, global_mean
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -392,7 +392,7 @@ def bad_input_worker(rank: int, world: int) -> dict[str, str]:
     expect("prefetch", ValueError, lambda: fully_shard(nn.Linear(2, 2), prefetch=-1))
     expect("policy", TypeError, lambda: fully_shard(nn.Linear(2, 2), mp_policy="bf16"))
 
-    # assign=True is supported (tests/test_semantics.py); a value that does not
+    # assign=True is supported (tests/library/api/test_training_semantics.py); a value that does not
     # fit the parameter is refused before anything changes.
     sd = {"weight": torch.zeros(3, 2), "bias": torch.zeros(2)}
     weight, before = lin.weight, lin.weight.to_local().clone()

@@ -25,7 +25,7 @@ from dist_utils import named_check_test
 from models import Block, Net, TwoPaths, batches, loss_fn
 from shardwise import fully_shard
 from shardwise.comm import collectives
-from test_core import (
+from test_parity_and_prefetch import (
     assert_between_steps,
     global_mean,
     make_opt,
@@ -280,7 +280,7 @@ def check_reshard_int_edges(rank: int, world: int) -> None:
 def offload_worker(rank: int, world: int, device: str = "cpu") -> None:
     """Shards, gradients and optimizer state in host memory; the steps as one process's.
 
-    Also on the GPUs (tests/test_cuda.py), where the copies really happen.
+    Also on the GPUs (tests/library/cuda/test_cuda.py), where the copies really happen.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 
