@@ -43,6 +43,12 @@ _taken: dict[int, weakref.ref[nn.Parameter]] = {}
 _groups: weakref.WeakSet[ParamGroup] = weakref.WeakSet()
 
 
+def live_groups() -> list[ParamGroup]:
+    """Every parameter group alive in this process (a module ``fully_shard`` sharded that
+    still exists): how a feature finds the groups of parameters it was handed."""
+    return list(_groups)
+
+
 def _is_taken(p: nn.Parameter) -> bool:
     ref = _taken.get(id(p))
     return ref is not None and ref() is p

@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from .runtime import root
-from .runtime.fsdp_module import FSDPModule
+from .runtime.fsdp_module import FSDPModule, param_groups, sharded_states
 from .runtime.module import ModuleState
 from .runtime.param_group import ParamGroup
 from .runtime.step_in_backward import ELEMENTWISE, MARK, StepInBackward, TorchClipGuard
@@ -65,9 +65,7 @@ class OptimizerInBackward(StepInBackward):
         self.groups = groups
         # The module states, whose contexts are those of the roots that run them
         # (not always ``model``'s: a wrapper whose own forward never runs).
-        self._states: list[ModuleState] = [
-            s for s in model._sharded_states(True) if s.group is not None
-        ]
+        self._states: list[ModuleState] = [s for s in sharded_states(model) if s.group is not None]
         for g in groups:
             g.step_in_backward = self
             for sp in g.params:
@@ -147,9 +145,7 @@ def optimizer_in_backward(
             "if it does, pass separable=True"
         )
     ids = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
-    groups = [
-        g for g in model._groups(recurse=True) if any(id(sp.sharded) in ids for sp in g.params)
-    ]
+    groups = [g for g in param_groups(model) if any(id(sp.sharded) in ids for sp in g.params)]
     if not groups:
         raise ValueError(
             "optimizer_in_backward: none of the optimizer's parameters belongs to a module "

@@ -477,3 +477,18 @@ def test_reduce_job_is_told_everything_it_needs() -> None:
     params = list(inspect.signature(ReduceJob).parameters.values())
     defaulted = [p.name for p in params if p.default is not inspect.Parameter.empty]
     assert not defaulted, f"ReduceJob's {defaulted} have defaults that no caller relies on"
+
+
+def test_features_reach_groups_through_functions_not_private_fields() -> None:
+    """The face (optimizer_in_backward, optim/, checkpoint, ...) finds modules and groups
+    through ``runtime.fsdp_module.sharded_states``/``param_groups`` and
+    ``api.live_groups``, never through another object's private members."""
+    private = ("_sharded_states", "_groups")
+    wrong = []
+    for path in LIBRARY_FILES:
+        if FOLDER.get(path.stem) not in ("", "optim") or path.stem == "api":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                wrong.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not wrong, wrong

@@ -358,7 +358,7 @@ def _scatter(
 
 def _shardwise_params() -> dict[int, ShardedParam]:
     """Every live shardwise parameter, by the id of its sharded DTensor."""
-    return {id(sp.sharded): sp for g in list(api._groups) for sp in g.params}
+    return {id(sp.sharded): sp for g in api.live_groups() for sp in g.params}
 
 
 def _check(p: Any, where: str, sharded: dict[int, ShardedParam]) -> None:

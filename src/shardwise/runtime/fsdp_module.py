@@ -16,7 +16,7 @@ that cannot apply on a backend say so naming it, and change nothing.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -104,11 +104,7 @@ class FSDPModule(_TorchFSDPModule):
         self._shardwise_state.bwd_targets = [_state_of(m, "backward prefetch") for m in modules]
 
     def _sharded_states(self, recurse: bool) -> list[ModuleState]:
-        if not recurse:
-            return [self._shardwise_state]
-        modules = self.modules()  # type: ignore[attr-defined]
-        found = [m._shardwise_state for m in modules if isinstance(m, FSDPModule)]
-        return list({id(s): s for s in found}.values())  # a group of several modules once
+        return sharded_states(self, recurse)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -533,3 +529,21 @@ def apply_comm_policy(states: list[ModuleState], policy: CommPolicy | None, what
         elif was is not None and was.node_local_backward:
             changes["post_forward_group"] = None
         s.change_settings(**changes)
+
+
+def sharded_states(module: nn.Module | FSDPModule, recurse: bool = True) -> list[ModuleState]:
+    """The states of the sharded modules under ``module`` (itself only, unless
+    ``recurse``), each once (a group of several modules has one): how the features
+    above the runtime (optimizer_in_backward, checkpoint) reach modules and groups,
+    rather than through ``FSDPModule``'s private methods."""
+    if not recurse:
+        state = getattr(module, "_shardwise_state", None)
+        return [state] if state is not None else []
+    modules = cast(nn.Module, module).modules()  # an FSDPModule is a module's class too
+    found = [m._shardwise_state for m in modules if isinstance(m, FSDPModule)]
+    return list({id(s): s for s in found}.values())
+
+
+def param_groups(module: nn.Module | FSDPModule, recurse: bool = True) -> list[ParamGroup]:
+    """The parameter groups of ``sharded_states(module, recurse)``."""
+    return [s.group for s in sharded_states(module, recurse) if s.group is not None]
