@@ -66,7 +66,7 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..models.gpt import SIZES
+    from .models import bench_sizes
 
     p = OneLineParser(
         prog="shardwise bench",
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="tiny",
-        help=f"comma list of model sizes ({', '.join(SIZES)}) or hf:PATH, a folder with a "
+        help=f"comma list of model sizes ({', '.join(bench_sizes())}) or hf:PATH, a folder with a "
         "transformers config.json (random weights); one comparison per entry (default: tiny)",
     )
     p.add_argument(

@@ -18,6 +18,18 @@ from typing import Any
 import torch
 
 HF_PREFIX = "hf:"
+
+
+def bench_sizes() -> dict[str, Any]:
+    """The built-in GPT sizes, and one the benchmark alone runs: ``deep``, 48 blocks of
+    width 1024 (0.6B parameters), whose kernels at a batch of 1 x 512 tokens are short
+    enough that the host bounds the step (``--model deep --batch-size 1 --seq-len 512``):
+    where a runtime's own host time shows on a GPU."""
+    from ..models.gpt import SIZES, GPTConfig
+
+    return {**SIZES, "deep": GPTConfig(seq_len=512, n_layer=48, n_head=16, d_model=1024)}
+
+
 HF_AC = ("none", "reentrant", "non-reentrant")  # what the model's own checkpointing offers
 
 
@@ -56,11 +68,10 @@ def resolve(name: str, seq_len: int | None, cuda: bool) -> ModelSpec:
             cfg.hidden_size,
             cfg.model_type,
         )
-    from ..models.gpt import SIZES
-
-    if name not in SIZES:
-        raise BenchUsageError(f"unknown --model {name!r}; choose from {sorted(SIZES)} or hf:PATH")
-    g = SIZES[name]
+    sizes = bench_sizes()
+    if name not in sizes:
+        raise BenchUsageError(f"unknown --model {name!r}; choose from {sorted(sizes)} or hf:PATH")
+    g = sizes[name]
     return ModelSpec(name, seq_len or g.seq_len, g.vocab_size, g.n_layer, g.d_model, "gpt")
 
 
@@ -115,10 +126,10 @@ def build(
     """The model on ``device`` from seed 0, checkpointing set, and its blocks (shard units)."""
     torch.manual_seed(0)
     if spec.hf_path is None:
-        from ..models.gpt import GPT, SIZES, set_activation_checkpointing
+        from ..models.gpt import GPT, set_activation_checkpointing
 
         with device:
-            model = GPT(SIZES[spec.name].with_seq_len(spec.seq_len))
+            model = GPT(bench_sizes()[spec.name].with_seq_len(spec.seq_len))
         set_activation_checkpointing(model, ac)
         return model, list(model.blocks)
     import transformers
