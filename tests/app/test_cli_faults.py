@@ -25,11 +25,10 @@ import pytest
 from cli_helpers import (
     LONG,
     alive,
+    announced,
     checkpoints,
-    children,
     env,
     one_line,
-    rank_of,
     rows,
     shardwise,
     start,
@@ -82,14 +81,15 @@ def test_a_killed_then_a_hung_worker_are_restarted_and_the_run_ends_as_if_neithe
 ) -> None:
     ref = shardwise("train", *SHORT, "--out", "ref", cwd=tmp_path)
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    run, log = tmp_path / "run", tmp_path / "log"
+    run, log, ready = tmp_path / "run", tmp_path / "log", tmp_path / "ready"
     proc = start(
         "train", *SHORT, "--max-restarts", "2", "--timeout", "15", "--out", "run",
-        cwd=tmp_path, log=log,
+        cwd=tmp_path, log=log, ready=ready,
     )  # fmt: skip
 
     def rank1() -> int:
-        return next(p for p in children(proc.pid) if rank_of(p) == 1)
+        """Rank 1's pid as it announced it (a restarted rank 1 announces itself anew)."""
+        return announced(ready, "joined")[1]
 
     def restarts() -> list[re.Match[str]]:
         pattern = (
@@ -126,13 +126,15 @@ def test_a_killed_then_a_hung_worker_are_restarted_and_the_run_ends_as_if_neithe
 
 @pytest.mark.timeout(240)
 def test_a_worker_that_stops_answering_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
-    run = tmp_path / "run"
+    run, ready = tmp_path / "run", tmp_path / "ready"
     proc = start(
-        "train", *LONG, "--save-every", "2", "--timeout", "20", "--out", "run", cwd=tmp_path
-    )
+        "train", *LONG, "--save-every", "2", "--timeout", "20", "--out", "run", cwd=tmp_path,
+        ready=ready,
+    )  # fmt: skip
     while_running(proc, "a checkpoint", lambda: len(rows(run)) >= 3 and bool(saved(run)))
-    workers = children(proc.pid)
-    os.kill(next(p for p in workers if rank_of(p) == 1), signal.SIGSTOP)
+    pids = announced(ready, "joined")
+    workers = list(pids.values())
+    os.kill(pids[1], signal.SIGSTOP)
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=120)
     assert time.monotonic() - t0 < 60, "the job outlived --timeout 20 by far"
@@ -154,11 +156,11 @@ def test_a_worker_that_stops_answering_ends_the_job_within_the_timeout(tmp_path:
 
 @pytest.mark.timeout(240)
 def test_a_second_ctrl_c_ends_every_process_at_once(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    proc = start("train", *LONG, "--save-every", "2", "--out", "run", cwd=tmp_path)
+    run, ready = tmp_path / "run", tmp_path / "ready"
+    proc = start("train", *LONG, "--save-every", "2", "--out", "run", cwd=tmp_path, ready=ready)
     while_running(proc, "a checkpoint", lambda: len(rows(run)) >= 3 and bool(saved(run)))
     # A long step: rank 0 waits in a collective for rank 1, which does nothing.
-    os.kill(next(p for p in children(proc.pid) if rank_of(p) == 1), signal.SIGSTOP)
+    os.kill(announced(ready, "joined")[1], signal.SIGSTOP)
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(1.0)
     assert proc.poll() is None  # the first Ctrl-C waits for the step boundary
