@@ -4,19 +4,23 @@ A failing or hanging rank fails the test; it never hangs CI. Functions must be
 importable (module level), since workers are spawned.
 
 Many small multi-rank checks share one set of processes (spawning ranks costs seconds):
-a module keeps them in a dict of named checks and ``named_check_test`` makes the test
-that reports each one; ``check_results`` runs them where tests read results by hand.
+``run_tasks`` is the one harness that runs named tasks in one launch and gives each
+task's outcome (every failing rank's traceback, every rank's value), whatever happened
+to the launch. On it: a module keeps checks in a dict and ``named_check_test`` makes
+the test that reports each one; ``check_results`` runs them where tests read results by
+hand; fixtures call ``run_tasks`` where tasks take arguments or return values.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
-import socket
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -25,9 +29,12 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on this machine, found by the repository's one helper (the local
+    launcher's). Imported here, not at the top: the planner takes a second to import,
+    and every spawned rank imports this module but never calls this."""
+    from shardwise_plan.ranks import free_port as launcher_free_port
+
+    return launcher_free_port()
 
 
 def _entry(
@@ -108,27 +115,116 @@ def run_distributed(
     return [results[r] for r in range(world)]
 
 
+Task = tuple[str, Callable[..., Any], tuple[Any, ...]]  # name, fn(rank, world, *args), args
+
+
+class Outcome(NamedTuple):
+    """One task of a launch: each failing rank's traceback (None where every rank passed)
+    and every rank's return value, by rank (empty where the launch died or hung)."""
+
+    error: str | None
+    values: list[Any]
+
+    @property
+    def value(self) -> Any:
+        """Rank 0's value."""
+        return self.values[0] if self.values else None
+
+
+def _tasks_on_rank(
+    rank: int,
+    world: int,
+    tasks: Sequence[Task],
+    setup: tuple[Callable[..., Any], tuple[Any, ...]] | None,
+    stop_after_failure: bool,
+    agree: bool,
+    quiet: tuple[type[Warning], ...],
+) -> dict[str, tuple[str | None, Any]]:
+    """On one rank: each task in order, its traceback or its value by name."""
+    out: dict[str, tuple[str | None, Any]] = {}
+    if setup is not None:
+        try:
+            with warnings.catch_warnings():
+                for kind in quiet:
+                    warnings.simplefilter("ignore", kind)
+                setup[0](rank, world, *setup[1])
+        except Exception:  # noqa: BLE001 - every task reports it
+            why = f"setup failed:\n{traceback.format_exc()}"
+            return {name: (why, None) for name, _, _ in tasks}
+    failed = None
+    for name, fn, args in tasks:
+        if failed is not None and stop_after_failure:
+            out[name] = (f"not run: {failed!r} failed first", None)
+            continue
+        try:
+            with warnings.catch_warnings():
+                for kind in quiet:
+                    warnings.simplefilter("ignore", kind)
+                out[name] = (None, fn(rank, world, *args))
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+            out[name] = (traceback.format_exc(), None)
+        ok = out[name][0] is None
+        if agree:
+            # A rank that failed half-way must not leave the others in a collective of
+            # the next task: all agree on the outcome before going on.
+            flags: list[Any] = [None] * world
+            dist.all_gather_object(flags, ok)
+            ok = all(flags)
+        if not ok and failed is None:
+            failed = name
+    return out
+
+
+def run_tasks(
+    tasks: Sequence[Task],
+    world: int,
+    *,
+    timeout: float = 250,
+    backend: str = "gloo",
+    setup: tuple[Callable[..., Any], tuple[Any, ...]] | None = None,
+    stop_after_failure: bool = False,
+    agree: bool = False,
+    quiet: tuple[type[Warning], ...] = (),
+) -> dict[str, Outcome]:
+    """Run ``fn(rank, world, *args)`` for each named task, in order, on ``world`` ranks in
+    one set of processes; each task's ``Outcome`` by name. Never raises for a task: a
+    launch that died or hung gives every task its error.
+
+    ``setup``: ``fn(rank, world, *args)`` first on each rank (its failure fails every
+    task). ``stop_after_failure``: after a task fails (on any rank, with ``agree``), the
+    rest are not run. ``agree``: the ranks agree on each task's outcome before the next.
+    ``quiet``: warning categories ignored inside the tasks (spawned ranks print them).
+    Functions and arguments must pickle (module level).
+    """
+    names = [name for name, _, _ in tasks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"task names must be unique: {names}")
+    args = (list(tasks), setup, stop_after_failure, agree, quiet)
+    try:
+        per_rank = run_distributed(_tasks_on_rank, world, *args, timeout=timeout, backend=backend)
+    except AssertionError as e:  # the processes died or hung: every task says why
+        return {name: Outcome(str(e), []) for name in names}
+    out = {}
+    for name in names:
+        errors = [f"rank {r}:\n{res[name][0]}" for r, res in enumerate(per_rank) if res[name][0]]
+        out[name] = Outcome("\n".join(errors) or None, [res[name][1] for res in per_rank])
+    return out
+
+
 Checks = Mapping[str, Callable[[int, int], None]]
 
 
-def _run_checks(rank: int, world: int, module: str, attr: str, names: list[str]) -> dict:
-    """On one rank: ``module.attr[name](rank, world)`` for each name, None where it passed,
-    else its traceback (looked up by name, so a check may be a closure)."""
-    import importlib
-    import warnings
+class _Check:
+    """A check found by name in a module-level dict on each rank (a check may then be a
+    closure or a lambda, which do not pickle)."""
 
-    checks = getattr(importlib.import_module(module), attr)
-    out: dict[str, str | None] = {}
-    for name in names:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                warnings.simplefilter("ignore", FutureWarning)
-                checks[name](rank, world)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported by the check's own test
-            out[name] = traceback.format_exc()
-    return out
+    def __init__(self, module: str, attr: str, name: str) -> None:
+        self.module, self.attr, self.name = module, attr, name
+
+    def __call__(self, rank: int, world: int) -> None:
+        getattr(importlib.import_module(self.module), self.attr)[self.name](rank, world)
 
 
 def check_results(
@@ -140,7 +236,7 @@ def check_results(
     timeout: float = 250,
 ) -> dict[str, str | None]:
     """Run the named checks (all of ``checks`` by default) on ``world`` ranks in one set of
-    processes: per name, the first failing rank's traceback, or None where every rank passed.
+    processes: per name, the failing ranks' tracebacks, or None where every rank passed.
 
     ``checks`` is a module-level dict of the module named ``module`` (pass ``__name__``):
     each rank imports that module and finds the dict there.
@@ -149,8 +245,9 @@ def check_results(
     if attr is None:
         raise ValueError(f"the checks must be a module-level dict of {module}")
     names = list(checks if names is None else names)
-    per_rank = run_distributed(_run_checks, world, module, attr, names, timeout=timeout)
-    return {n: next((r[n] for r in per_rank if r[n]), None) for n in names}
+    tasks = [(n, _Check(module, attr, n), ()) for n in names]
+    outcomes = run_tasks(tasks, world, timeout=timeout, quiet=(UserWarning, FutureWarning))
+    return {n: outcomes[n].error for n in names}
 
 
 def named_check_test(
@@ -174,20 +271,15 @@ def named_check_test(
     )
     cases = [(name, world) for world, names in plan.items() for name in names]
     several = len(plan) > 1
-    found: dict[int, dict[str, str | None] | BaseException] = {}
+    found: dict[int, dict[str, str | None]] = {}
 
     @pytest.mark.parametrize(
         ("name", "world"), cases, ids=[f"{n}-w{w}" if several else n for n, w in cases]
     )
     def test(name: str, world: int) -> None:
-        if world not in found:
-            try:
-                found[world] = check_results(module, checks, world, plan[world], timeout=timeout)
-            except BaseException as e:  # every test of this world reports the one failed run
-                found[world] = e
+        if world not in found:  # a launch that died fails every check of its world
+            found[world] = check_results(module, checks, world, plan[world], timeout=timeout)
         results = found[world]
-        if isinstance(results, BaseException):
-            raise results
         where = f"{name} at world {world}" if several else name
         assert results[name] is None, f"{where}:\n{results[name]}"
 

@@ -13,7 +13,8 @@
 - ``integrations/``: the FSDP2 patch, frameworks (``frameworks_cases/``), real clients,
   pipeline and tensor parallel;
 - ``cuda/``: what needs a GPU; ``fuzz/``: the differential fuzzer and its tests;
-- here: ``test_layers.py``, the rules of the library's folders and layers.
+- here: ``test_layers.py``, the rules of the library's folders and layers, and
+  ``test_run_tasks.py``, the suite's multi-rank harness (tests/dist_utils.py).
 
 A test goes in the folder of the subsystem it checks. Tests import each other's
 helpers (and the fuzzer's modules) by module name, so every folder is put on the path

@@ -506,7 +506,7 @@ def test_load_state_dict_assign_on_meta(how: str, world: int) -> None:
     run_distributed(assign_worker, world, how)
 
 
-# ---- reshard_after_forward defaults, side by side with FSDP2 ---------------------------------------
+# ---- reshard_after_forward defaults, side by side with FSDP2 -------------------------------------
 
 
 class Chain(nn.Module):

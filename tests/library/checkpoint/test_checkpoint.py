@@ -12,7 +12,6 @@ their losses agree up to fp32 rounding.
 from __future__ import annotations
 
 import os
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import shardwise
-from dist_utils import run_distributed
+from dist_utils import Outcome, run_distributed, run_tasks
 from shardwise import checkpoint
 
 D_IN, D, H = 5, 6, 10
@@ -179,33 +178,11 @@ def extra_for(step: int) -> dict[str, Any]:
 # ---- grouped runs: spawning ranks costs seconds, so each run does several checks ---------------
 
 
-def _run_tasks(rank: int, world: int, tasks: list[tuple[str, Any, tuple]]) -> dict[str, Any]:
-    """Run ``fn(rank, world, *args)`` for each task; after a failure, skip the rest.
-
-    Returns ``{label: ("ok", value) | ("error", traceback) | ("skipped", why)}``.
-    A failure on one rank may leave the others in a collective; the run's
-    timeout then ends it, and every rank's traceback is reported.
-    """
-    out: dict[str, Any] = {}
-    failed = None
-    for label, fn, args in tasks:
-        if failed is not None:
-            out[label] = ("skipped", f"not run: {failed!r} failed first")
-            continue
-        try:
-            out[label] = ("ok", fn(rank, world, *args))
-        except BaseException:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
-            out[label] = ("error", traceback.format_exc())
-            failed = label
-    return out
-
-
-def result(run: list[dict[str, Any]], label: str) -> Any:
+def result(run: dict[str, Outcome], label: str) -> Any:
     """Rank 0's value of one task; fails the test with each failing rank's traceback."""
-    problems = [f"rank {r}: {res[label][1]}" for r, res in enumerate(run) if res[label][0] != "ok"]
-    if problems:
-        pytest.fail(f"task {label!r} failed:\n" + "\n".join(problems), pytrace=False)
-    return run[0][label][1]
+    if run[label].error is not None:
+        pytest.fail(f"task {label!r} failed:\n{run[label].error}", pytrace=False)
+    return run[label].value
 
 
 def _train_save_continue(rank: int, world: int, name: str, path: str) -> Any:
@@ -244,7 +221,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first2(root: Path) -> list[dict[str, Any]]:
+def first2(root: Path) -> dict[str, Outcome]:
     tasks = [
         (f"save {n}", _train_save_continue, (n, f"{root}/w2/{n}"))
         for n in ("adamw", "mixed", "nodrop")
@@ -253,11 +230,11 @@ def first2(root: Path) -> list[dict[str, Any]]:
         (fn.__name__, fn, (str(root / fn.__name__),))
         for fn in (_interop, _bad_input, _failed_save, _gathered_save)
     ]
-    return run_distributed(_run_tasks, 2, tasks, timeout=240)
+    return run_tasks(tasks, 2, timeout=240, stop_after_failure=True, agree=True)
 
 
 @pytest.fixture(scope="module")
-def first4(root: Path, first2: Any) -> list[dict[str, Any]]:
+def first4(root: Path, first2: Any) -> dict[str, Outcome]:
     """Saves at 4 ranks, then loads into 4-rank models in the same processes (a second set
     of 4 processes costs the suite ~15 s of startup; the loads at 2 and 3 ranks are fresh)."""
     tasks = [(f"save {n}", _train_save_continue, (n, f"{root}/w4/{n}")) for n in ("hsdp", "nodrop")]
@@ -265,19 +242,19 @@ def first4(root: Path, first2: Any) -> list[dict[str, Any]]:
         ("load hsdp", _load_continue, ("hsdp", f"{root}/w4/hsdp")),
         ("load fsdp into hsdp", _load_weights, ("hsdp", f"{root}/w2/nodrop")),
     ]
-    return run_distributed(_run_tasks, 4, tasks, timeout=180)
+    return run_tasks(tasks, 4, timeout=180, stop_after_failure=True, agree=True)
 
 
 @pytest.fixture(scope="module")
-def second2(root: Path, first2: Any, first4: Any) -> list[dict[str, Any]]:
+def second2(root: Path, first2: Any, first4: Any) -> dict[str, Outcome]:
     tasks = [(f"load {n}", _load_continue, (n, f"{root}/w2/{n}")) for n in ("adamw", "mixed")]
     tasks += [("load nodrop from 4", _load_continue, ("nodrop", f"{root}/w4/nodrop"))]
     tasks += [("load hsdp into fsdp", _load_weights, ("adamw", f"{root}/w4/hsdp"))]
-    return run_distributed(_run_tasks, 2, tasks, timeout=180)
+    return run_tasks(tasks, 2, timeout=180, stop_after_failure=True, agree=True)
 
 
 @pytest.fixture(scope="module")
-def second3(root: Path, first2: Any) -> list[dict[str, Any]]:
+def second3(root: Path, first2: Any) -> dict[str, Outcome]:
     torch.manual_seed(0)
     ref_file = str(root / "plain.pt")
     torch.save(PostNormNet().state_dict(), ref_file)  # a plain single-process checkpoint
@@ -285,11 +262,11 @@ def second3(root: Path, first2: Any) -> list[dict[str, Any]]:
         ("load nodrop from 2", _load_continue, ("nodrop", f"{root}/w2/nodrop")),
         ("full state dict", _full_state_dict, (ref_file,)),
     ]
-    return run_distributed(_run_tasks, 3, tasks, timeout=180)
+    return run_tasks(tasks, 3, timeout=180, stop_after_failure=True, agree=True)
 
 
 @pytest.fixture(scope="module")
-def second4(first4: Any) -> list[dict[str, Any]]:
+def second4(first4: Any) -> dict[str, Outcome]:
     return first4  # the 4-rank loads ran after the saves (see first4)
 
 
@@ -304,15 +281,15 @@ def test_exact_resume_adamw_and_mixed_precision(first2: Any, second2: Any) -> No
         before = result(first2, f"save {name}")
         assert before[0] != before[1]  # it did train
         result(second2, f"load {name}")
-        for rank_results in second2:  # every rank continues identically
-            _assert_bitwise(before, rank_results[f"load {name}"][1])
+        for value in second2[f"load {name}"].values:  # every rank continues identically
+            _assert_bitwise(before, value)
 
 
 def test_exact_resume_hsdp(first4: Any, second4: Any) -> None:
     before = result(first4, "save hsdp")
     result(second4, "load hsdp")
-    for rank_results in second4:
-        _assert_bitwise(before, rank_results["load hsdp"][1])
+    for value in second4["load hsdp"].values:
+        _assert_bitwise(before, value)
 
 
 @pytest.mark.parametrize("saved,resumed", [("first4", "second2"), ("first2", "second3")])

@@ -112,7 +112,7 @@ def test_cuda_one_rank_casts_ahead_in_backward_after_the_first_block() -> None:
     assert needs == ["first_gather", "prefetch_miss", "prefetch_hit", "prefetch_hit"], needs
 
 
-# ---- real clients on GPUs (tests/library/integrations/test_clients.py) ----------------------------------------------
+# ---- real clients on GPUs (tests/library/integrations/test_clients.py) ---------------------------
 
 CLIENT_CASES = ["llama:reentrant", "llama:non-reentrant", "lora:non-reentrant", "lora:reentrant"]
 
@@ -124,8 +124,8 @@ def test_cuda_transformers_llama_with_its_checkpointing() -> None:
         pytest.skip("counts each module's all-gathers; one rank runs none (needs 2 GPUs)")
     from test_clients import run_cases
 
-    per_rank = run_distributed(run_cases, world(), CLIENT_CASES, "cuda", backend=NCCL)
-    failed = {c: e for r in per_rank for c, e in r.items() if e}
+    outcomes = run_cases(world(), CLIENT_CASES, "cuda", backend=NCCL)
+    failed = {c: o.error for c, o in outcomes.items() if o.error}
     assert not failed, "\n".join(f"{c}:\n{e}" for c, e in failed.items())
 
 
@@ -181,7 +181,7 @@ def test_cuda_lora_peak_memory_not_above_fsdp2() -> None:
     assert peaks["shardwise"] <= peaks["fsdp2"], peaks
 
 
-# ---- FSDP2's training semantics on GPUs (tests/library/api/test_training_semantics.py) ------------------------------
+# ---- FSDP2's training semantics on GPUs (tests/library/api/test_training_semantics.py) -----------
 
 SEMANTICS = {
     "dataclass-fp32": ("dataclass_worker", (False,)),

@@ -17,7 +17,6 @@ own case's result.
 from __future__ import annotations
 
 import copy
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dist_utils import run_distributed
+from dist_utils import Outcome, run_tasks
 from models import Block
 from shardwise import fully_shard
 from shardwise.comm import collectives
@@ -350,23 +349,14 @@ def lora_case(rank: int, world: int, case: str, device: str = "cpu") -> None:
             assert torch.equal(full, frozen_before[name]), f"frozen {name} changed"
 
 
-def run_cases(
-    rank: int, world: int, cases: list[str], device: str = "cpu"
-) -> dict[str, str | None]:
-    """Every case in these processes; each one's failure (or None) by name."""
+def run_case(rank: int, world: int, case: str, device: str = "cpu") -> None:
+    """One case (by its kind) in these processes; all cases of a world share them."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    results: dict[str, str | None] = {}
-    for case in cases:
-        try:
-            kind = case.partition(":")[0]
-            run = lora_case if kind == "lora" else pattern_case if kind in PATTERNS else train_case
-            run(rank, world, case, device)
-            results[case] = None
-        except Exception:  # noqa: BLE001 - reported by the case's own test
-            results[case] = traceback.format_exc()
-    return results
+    kind = case.partition(":")[0]
+    run = lora_case if kind == "lora" else pattern_case if kind in PATTERNS else train_case
+    run(rank, world, case, device)
 
 
 ARCHS = ["llama", "qwen2", "gpt2", "bert"]
@@ -383,12 +373,18 @@ CASES_W2 = (
 CASES_W3 = ["llama:reentrant", "gpt2:non-reentrant", "wrapper:reentrant", "lora:non-reentrant"]
 
 
+def run_cases(world: int, cases: list[str], device: str = "cpu", **kw: Any) -> dict[str, Outcome]:
+    """Every case at ``world`` ranks in one set of processes (transformers' import costs
+    seconds a process)."""
+    tasks = [(case, run_case, (case, device)) for case in cases]
+    return run_tasks(tasks, world, timeout=350, **kw)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[int, dict[str, str | None]]:
     out = {}
     for world, cases in ((2, CASES_W2), (3, CASES_W3)):
-        per_rank = run_distributed(run_cases, world, cases, timeout=350)
-        out[world] = {c: next((r[c] for r in per_rank if r[c]), None) for c in cases}
+        out[world] = {c: o.error for c, o in run_cases(world, cases).items()}
     return out
 
 

@@ -29,8 +29,6 @@ All cases run in one set of processes (importing transformers costs seconds).
 from __future__ import annotations
 
 import copy
-import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from dist_utils import run_distributed
+from dist_utils import run_tasks
 from test_clients import adamw, enable_checkpointing, hf_loss, hf_model, tolerance
 from test_parity_and_prefetch import global_mean
 
@@ -331,22 +329,13 @@ def head_case(rank: int, world: int, case: str, impl: str) -> None:
 # ---- one set of processes for every case ----------------------------------------------------
 
 
-def run_cases(rank: int, world: int, cases: list[str]) -> dict[str, str | None]:
+def run_case(rank: int, world: int, key: str) -> None:
+    """One case, ``impl/kind/case``; every case runs in one set of processes."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    results: dict[str, str | None] = {}
-    for key in cases:
-        impl, kind, case = key.split("/")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                warnings.simplefilter("ignore", FutureWarning)
-                (lora_moe_case if kind == "lora-moe" else head_case)(rank, world, case, impl)
-            results[key] = None
-        except Exception:  # noqa: BLE001 - reported by the case's own test
-            results[key] = traceback.format_exc()
-    return results
+    impl, kind, case = key.split("/")
+    (lora_moe_case if kind == "lora-moe" else head_case)(rank, world, case, impl)
 
 
 IMPLS = ["shardwise", "fsdp2"]
@@ -367,8 +356,9 @@ FSDP2_FAILS = {"fsdp2/head-after-nograd/llama:train": "lm_head step: grad lm_hea
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, str | None]:
-    per_rank = run_distributed(run_cases, 2, CASES, timeout=350)
-    return {c: next((r[c] for r in per_rank if r[c]), None) for c in CASES}
+    tasks = [(case, run_case, (case,)) for case in CASES]
+    outcomes = run_tasks(tasks, 2, timeout=350, quiet=(UserWarning, FutureWarning))
+    return {c: o.error for c, o in outcomes.items()}
 
 
 @pytest.mark.parametrize("case", CASES)

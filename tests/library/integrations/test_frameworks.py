@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from dist_utils import run_distributed
-from frameworks_cases.common import merge, worker
+from dist_utils import Outcome, run_tasks
+from frameworks_cases.common import prepare, run_case
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(900)]
 
@@ -59,7 +59,7 @@ ACCELERATE_CASES = [
 TORCHTUNE_CASES = ["full", "full-ac", "lora", "lora-ac", "resume", "lora-resume"]
 DCP_CASES = ["sharded", "full", "broadcast", "frozen"]
 
-Results = dict[str, dict[str, tuple[str | None, Any]]]
+Results = dict[str, dict[str, Outcome]]  # by implementation, then case
 
 
 def need(package: str) -> None:
@@ -68,27 +68,34 @@ def need(package: str) -> None:
         pytest.skip(f"{package} is not installed")
 
 
-def run_framework(module: str, cases: list[str], timeout: float, *args: Any) -> Results:
-    """Both implementations' results, by case; a crashed set of processes fails every case."""
-    out: Results = {}
-    for impl in IMPLS:
-        try:
-            per_rank = run_distributed(worker, WORLD, impl, module, cases, *args, timeout=timeout)
-            out[impl] = merge(per_rank)
-        except AssertionError as e:  # the processes died or hung: every case says why
-            out[impl] = {case: (str(e), None) for case in cases}
-    return out
+def run_framework(
+    module: str, cases: list[str], timeout: float, *args: Any, world: int = WORLD
+) -> Results:
+    """Both implementations' outcomes, by case: each implementation's cases in one set of
+    processes; one failing case does not stop the others, and a crashed set fails every
+    case."""
+    return {
+        impl: run_tasks(
+            [(case, run_case, (impl, module, case)) for case in cases],
+            world,
+            timeout=timeout,
+            setup=(prepare, (impl, module, *args)),
+            agree=True,
+            quiet=(Warning,),
+        )
+        for impl in IMPLS
+    }
 
 
 def outcome(results: Results, impl: str, case: str) -> Any:
-    error, history = results[impl][case]
+    error = results[impl][case].error
     assert error is None, f"{case} under {impl}:\n{error}"
-    return history
+    return results[impl][case].value
 
 
 def same_history(results: Results, case: str) -> None:
     """shardwise's losses and gradient norms beside FSDP2's, step by step."""
-    a, b = results["shardwise"][case][1], results["fsdp2"][case][1]
+    a, b = results["shardwise"][case].value, results["fsdp2"][case].value
     if a is None or b is None:
         pytest.skip("one side failed (its own test says why)")
     # Equal, non-empty histories first: zip alone would pass a short or empty one.

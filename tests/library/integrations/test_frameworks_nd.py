@@ -20,10 +20,8 @@ from typing import Any
 
 import pytest
 
-from dist_utils import run_distributed
-from frameworks_cases.common import merge, worker
 from frameworks_cases.titan_nd_cases import MOE_MODELS, SCHEDULES
-from test_frameworks import IMPLS, Results, need, outcome, same_history
+from test_frameworks import IMPLS, Results, need, outcome, run_framework, same_history
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.timeout(900)]
 
@@ -47,16 +45,7 @@ def params(cases: list[str]) -> list[Any]:
 
 def run_nd(world: int, cases: list[str], timeout: float) -> Results:
     """Both implementations' results, by case, at ``world`` ranks."""
-    out: Results = {}
-    for impl in IMPLS:
-        try:
-            per_rank = run_distributed(
-                worker, world, impl, "titan_nd_cases", cases, timeout=timeout
-            )
-            out[impl] = merge(per_rank)
-        except AssertionError as e:  # the processes died or hung: every case says why
-            out[impl] = {case: (str(e), None) for case in cases}
-    return out
+    return run_framework("titan_nd_cases", cases, timeout, world=world)
 
 
 @pytest.fixture(scope="module")

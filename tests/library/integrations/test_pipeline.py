@@ -443,7 +443,8 @@ BAD_CHECKS.update({f"bad-raf-{s}-{m}": _bad("raf", m, s) for s in SPLIT for m in
 # The world-mesh cases in a launch of their own (their stages share no dp group).
 MESH_CHECKS = {n: BAD_CHECKS.pop(n) for n in list(BAD_CHECKS) if "world-mesh" in n}
 BAD = list(BAD_CHECKS) + list(MESH_CHECKS)
-# The whole matrix (marker frameworks): python -m pytest -q -m frameworks tests/library/integrations/test_pipeline.py
+# The whole matrix (marker frameworks):
+#   python -m pytest -q -m frameworks tests/library/integrations/test_pipeline.py
 SWEEP = {n: c for n, c in MATRIX.items() if n not in CHECKS}
 
 _FOUND: dict[str, Any] = {}

@@ -170,7 +170,7 @@ def expected_gather_numels(model: Stack, dp: int) -> dict[str, int]:
     return out
 
 
-# ---- training parity ------------------------------------------------------------------------------
+# ---- training parity -----------------------------------------------------------------------------
 
 
 def run_parity(kind: str, sp: bool, ac: str, mesh: DeviceMesh, steps: int = 3) -> None:

@@ -164,7 +164,7 @@ def test_parity_with_single_process(case: str) -> None:
     run_distributed(parity_worker, world, cfg, timeout=200)
 
 
-# ---- the recompute-prefetch regression -----------------------------------------------------------------
+# ---- the recompute-prefetch regression -----------------------------------------------------------
 
 
 def recompute_prefetch_worker(rank: int, world: int, reentrant: bool, device: str = "cpu") -> None:
@@ -657,7 +657,7 @@ def test_blocks_gathered_at_once_in_forward_never_exceed_one_plus_prefetch(prefe
     assert max(peaks) == 1 + prefetch, peaks  # reached, never exceeded
 
 
-# ---- one module, several uses ---------------------------------------------------------------------
+# ---- one module, several uses --------------------------------------------------------------------
 
 
 class Twice(nn.Module):

@@ -1,22 +1,20 @@
-"""What every framework's cases share: the worker, routing, checks, counting.
+"""What every framework's cases share: the set-up, routing, checks, counting.
 
-``worker(rank, world, impl, module, cases)`` runs in each spawned rank:
-``impl`` is "shardwise" (``shardwise.patch_fsdp2()`` before the framework is
-imported, as docs/frameworks.md says) or "fsdp2" (torch's FSDP2, unpatched:
-the second reference). Every case trains against one process on the whole
-batch (same seed) inside the worker and raises on a mismatch; it returns its
-history (losses, gradient norms) so the test can also set shardwise beside
-FSDP2. One failing case does not stop the others.
-"""
+``prepare(rank, world, impl, module)`` runs first in each spawned rank, then
+``run_case`` for each case (tests/dist_utils.py's ``run_tasks``). ``impl`` is
+"shardwise" (``shardwise.patch_fsdp2()`` before the framework is imported, as
+docs/frameworks.md says) or "fsdp2" (torch's FSDP2, unpatched: the second
+reference). Every case trains against one process on the whole batch (same
+seed) inside the rank and raises on a mismatch; it returns its history (losses,
+gradient norms) so the test can also set shardwise beside FSDP2. One failing
+case does not stop the others."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import sys
-import traceback
 import types
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,10 +27,10 @@ import torch.nn as nn
 RTOL, ATOL = 1e-4, 1e-5
 
 
-def worker(
-    rank: int, world: int, impl: str, module: str, cases: list[str], *args: Any
-) -> dict[str, tuple[str | None, Any]]:
-    """Every case of ``frameworks_cases.<module>`` in this process: (error, history)."""
+def prepare(rank: int, world: int, impl: str, module: str, *args: Any) -> None:
+    """Before any case of ``frameworks_cases.<module>`` in this process: route torch's
+    FSDP2 to shardwise (``impl`` "shardwise") before the framework is imported, then the
+    module's own ``setup``."""
     import logging
 
     logging.disable(logging.WARNING)  # frameworks log a lot at INFO/WARNING on every rank
@@ -40,40 +38,12 @@ def worker(
         import shardwise
 
         shardwise.patch_fsdp2()  # before the framework is imported (its setup() does that)
-    import time
-
-    start = time.perf_counter()
-    mod = importlib.import_module(f"frameworks_cases.{module}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mod.setup(rank, world, impl, *args)
-    out: dict[str, tuple[str | None, Any]] = {}
-    seconds = {"setup": time.perf_counter() - start}
-    for case in cases:
-        start = time.perf_counter()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                history = mod.run(rank, world, impl, case)
-            out[case] = (None, history)
-        except Exception:  # noqa: BLE001 - reported by the case's own test
-            out[case] = (traceback.format_exc(), None)
-        # A rank that failed half-way must not leave the other in a collective
-        # of the next case: agree on the outcome before going on.
-        flags = [None] * world
-        dist.all_gather_object(flags, out[case][0] is None)
-        seconds[case] = time.perf_counter() - start
-    out["seconds"] = (None, seconds)
-    return out
+    importlib.import_module(f"frameworks_cases.{module}").setup(rank, world, impl, *args)
 
 
-def merge(per_rank: list[dict[str, tuple[str | None, Any]]]) -> dict[str, tuple[str | None, Any]]:
-    """One entry per case: the first rank's error, else rank 0's history."""
-    merged = {}
-    for case in per_rank[0]:
-        errors = [f"rank {r}:\n{res[case][0]}" for r, res in enumerate(per_rank) if res[case][0]]
-        merged[case] = ("\n".join(errors) if errors else None, per_rank[0][case][1])
-    return merged
+def run_case(rank: int, world: int, impl: str, module: str, case: str) -> Any:
+    """One case of ``frameworks_cases.<module>``: its history, or it raises on a mismatch."""
+    return importlib.import_module(f"frameworks_cases.{module}").run(rank, world, impl, case)
 
 
 # ---- which FSDP sharded the model ----------------------------------------------------------
