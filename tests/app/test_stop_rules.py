@@ -1,4 +1,5 @@
-"""The stop rules (cli/stop_rules.py) as a table: a worker's events -> what it does.
+"""The stop rules (cli/stop_rules.py) as tables: a worker's (and its launcher's) events ->
+what it does.
 
 No process, no signal, no clock: each row is a history of events, and the
 action the last one gets. tests/app/test_cli_stop.py checks the same rules on
@@ -14,12 +15,17 @@ from pathlib import Path
 import pytest
 
 from shardwise_app.cli.stop_rules import (
+    EXIT_STOP_OVERDUE,
+    GRACE_S,
     SAME_STOP_S,
     Act,
+    LauncherAct,
     Phase,
+    Poll,
     Signal,
     Source,
     decide,
+    decide_launcher,
     stopped_by,
 )
 
@@ -134,3 +140,54 @@ def test_only_signals_py_installs_signal_handlers() -> None:
             ):
                 found.append(str(path.relative_to(SRC)))
     assert found and set(found) == {"shardwise_app/cli/signals.py"}, found
+
+
+# ---- the launcher's side (stop_rules.decide_launcher) --------------------------------------
+
+
+L_GRACE = 3.0  # --stop-grace
+RUN = None
+
+
+def poll(at: float, *codes: int | None) -> Poll:
+    return Poll(at, tuple(enumerate(codes)))
+
+
+W, D = LauncherAct.WAIT, LauncherAct.DONE
+KILL_ALL, LATE, UNRESPONSIVE = (
+    LauncherAct.KILL_ALL,
+    LauncherAct.KILL_LATE,
+    LauncherAct.KILL_UNRESPONSIVE,
+)
+PAST_GRACE = L_GRACE + GRACE_S + 0.1
+
+LAUNCHER_TABLE = [
+    ("running", [poll(0, RUN, RUN)], W, (), ()),
+    ("every worker ended well", [poll(0, RUN, RUN), poll(1, 0, 0)], D, (), ()),
+    ("the first signal is passed on", [poll(0, RUN, RUN), direct(INT, 0.5), poll(1, RUN, RUN)], W, (INT,), ()),
+    ("passed on once only", [direct(INT), poll(0, RUN, RUN), poll(1, RUN, RUN)], W, (), ()),
+    ("two signals before one poll: both passed on", [direct(INT), direct(TERM), poll(0, RUN, RUN)], W, (INT, TERM), ()),
+    ("a signal after one passed on", [direct(INT), poll(0, RUN, RUN), direct(INT, 1), poll(1, RUN, RUN)], KILL_ALL, (), ()),
+    ("stopped and saved", [direct(TERM), poll(0, RUN, RUN), poll(2, 0, 0)], D, (), ()),
+    ("a worker still starting ended on the signal: no failure",
+     [direct(TERM), poll(0, RUN, RUN), poll(1, 128 + TERM, RUN), poll(1 + GRACE_S + 1, 128 + TERM, RUN)], W, (), ()),
+    ("ended at its deadline: no failure",
+     [direct(TERM), poll(0, RUN, RUN), poll(1, EXIT_STOP_OVERDUE, RUN), poll(1 + GRACE_S + 1, EXIT_STOP_OVERDUE, RUN)], W, (), ()),
+    ("still running well past --stop-grace", [direct(TERM), poll(0, RUN, RUN), poll(PAST_GRACE, 0, RUN)], LATE, (), (1,)),
+    ("not yet past it", [direct(TERM), poll(0, RUN, RUN), poll(PAST_GRACE - 0.2, 0, RUN)], W, (), ()),
+    ("a failure: the others get the grace", [poll(0, RUN, RUN), poll(1, -9, RUN), poll(1 + GRACE_S - 0.1, -9, RUN)], W, (), ()),
+    ("a failure: then the rest are killed", [poll(0, RUN, RUN), poll(1, -9, RUN), poll(1 + GRACE_S + 0.1, -9, RUN)], UNRESPONSIVE, (), (1,)),
+    ("a failure and the rest ended", [poll(0, RUN, RUN), poll(1, -9, RUN), poll(2, -9, 1)], D, (), ()),
+    ("a worker killed by another signal than the stop's is a failure",
+     [direct(INT), poll(0, RUN, RUN), poll(1, -TERM, RUN), poll(1 + GRACE_S + 0.1, -TERM, RUN)], UNRESPONSIVE, (), (1,)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("events", "act", "pass_on", "killed"),
+    [row[1:] for row in LAUNCHER_TABLE],
+    ids=[row[0] for row in LAUNCHER_TABLE],
+)
+def test_the_launcher_does_what_each_history_calls_for(events, act, pass_on, killed) -> None:
+    decision = decide_launcher(events, L_GRACE)
+    assert (decision.act, decision.pass_on, decision.ranks) == (act, pass_on, killed)

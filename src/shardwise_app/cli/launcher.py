@@ -40,7 +40,16 @@ from .common import (
     usable_cpus,
 )
 from .failures import EXIT_NO_RETRY, launcher_message, overdue_message, what_failed
-from .signals import DEFAULT_STOP_GRACE_S, EXIT_STOP_OVERDUE, STOP_FD_ENV, LauncherSignals
+from .signals import DEFAULT_STOP_GRACE_S, STOP_FD_ENV, LauncherSignals
+from .stop_rules import (
+    EXIT_STOP_OVERDUE,
+    LauncherAct,
+    LauncherState,
+    Poll,
+    ended_by_stop,
+    launcher_step,
+)
+from .stop_rules import Signal as StopSignal
 
 if TYPE_CHECKING:
     from shardwise_plan.ranks import LocalRanks
@@ -49,7 +58,6 @@ if TYPE_CHECKING:
 # collective gives up. The backends wait 10 (NCCL) or 30 (gloo) minutes.
 DEFAULT_TIMEOUT_S = 300
 TIMEOUT_ENV = "SHARDWISE_TIMEOUT_S"
-_GRACE_S = 5.0  # after a failure, for the other workers to end on their own
 _POLL_S = 0.1
 
 
@@ -206,14 +214,8 @@ class _Ended:
     def failed_beyond(self, signum: int) -> bool:
         """Whether a worker failed otherwise than by stopping on ``signum``."""
         return bool(self.unresponsive) or any(
-            not _stopped_by(c, signum) for c in self.codes.values()
+            not ended_by_stop(c, signum) for c in self.codes.values()
         )
-
-
-def _stopped_by(code: int, signum: int | None) -> bool:
-    """A clean stop, a worker still starting that ended on the signal, one it killed, or
-    one that ended at its --stop-grace deadline."""
-    return code == 0 or (signum is not None and code in (128 + signum, -signum, EXIT_STOP_OVERDUE))
 
 
 class _Workers:
@@ -261,34 +263,28 @@ class _Workers:
         self.procs = self.ranks.procs
 
     def watch(self, signals: LauncherSignals, stop_grace_s: float) -> _Ended:
-        """Poll until every worker has ended, acting on signals and failures."""
-        seen, failed_at, stop_at = 0, None, None
+        """Poll until every worker has ended, doing what the launcher's stop rules say
+        (stop_rules.launcher_step) of the signals and the workers' exits."""
+        state, seen = LauncherState(), 0
         while True:
-            if len(signals.received) > seen:
-                if seen >= 1:  # the second: no more waiting for a save
-                    self.ranks.kill(list(self.procs))
-                    return _Ended(self.ranks.codes(), [], forced=True)
-                for sig in signals.received[seen:]:
-                    self._send(sig)
-                seen = len(signals.received)
-                stop_at = time.monotonic()
-            codes = self.ranks.poll()
-            if all(c is not None for c in codes.values()):
+            for sig in signals.received[seen:]:
+                state, _ = launcher_step(state, StopSignal(sig, time.monotonic()), stop_grace_s)
+            seen = len(signals.received)
+            poll = Poll(time.monotonic(), tuple(self.ranks.poll().items()))
+            state, decision = launcher_step(state, poll, stop_grace_s)
+            for sig in decision.pass_on:
+                self._send(sig)
+            if decision.act is LauncherAct.KILL_ALL:
+                self.ranks.kill(list(self.procs))
+                return _Ended(self.ranks.codes(), [], forced=True)
+            if decision.act is LauncherAct.DONE:
                 return _Ended(self.ranks.codes(), [])
-            # Each worker ends itself at the deadline; one that cannot (stopped
-            # with SIGSTOP, stuck in the kernel) is killed a little after it.
-            if stop_at is not None and time.monotonic() - stop_at > stop_grace_s + _GRACE_S:
-                self.ranks.kill([r for r, c in codes.items() if c is None])
+            if decision.act is LauncherAct.KILL_LATE:
+                self.ranks.kill(list(decision.ranks))
                 return _Ended(self.ranks.codes(), [], late=True)
-            first = signals.received[0] if signals.received else None
-            if failed_at is None and any(
-                c is not None and not _stopped_by(c, first) for c in codes.values()
-            ):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
-                running = [r for r, c in codes.items() if c is None]
-                self.ranks.kill(running)
-                return _Ended(self.ranks.codes(), running)
+            if decision.act is LauncherAct.KILL_UNRESPONSIVE:
+                self.ranks.kill(list(decision.ranks))
+                return _Ended(self.ranks.codes(), list(decision.ranks))
             time.sleep(_POLL_S)
 
     def _send(self, sig: int) -> None:

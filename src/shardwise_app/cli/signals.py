@@ -48,7 +48,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from .common import interrupt
-from .stop_rules import Act, Event, Phase, Source, decide, stopped_by
+from .stop_rules import EXIT_STOP_OVERDUE, Act, Event, Phase, Source, decide, stopped_by
 from .stop_rules import Signal as StopSignal
 
 # A closed terminal or SSH session sends SIGHUP; a scheduler sends SIGTERM.
@@ -57,7 +57,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # SLURM (KillWait) give between their SIGTERM and SIGKILL, with 5 s left for
 # the launcher to see its workers end and say so.
 DEFAULT_STOP_GRACE_S = 25.0
-EXIT_STOP_OVERDUE = 7  # a worker asked to stop found no step boundary within --stop-grace
 # The read end of a pipe from our launcher: each byte a stop signal passed on;
 # its end, the launcher's (launcher.py says why not a signal).
 STOP_FD_ENV = "SHARDWISE_STOP_FD"
@@ -193,6 +192,7 @@ class _Guard:
         self._say: Say | None = None
         self._events: list[Event] = []  # a handful: phases and the stops of one run
         self._devnull: IO[str] | None = None
+        self._ending = False  # overdue() is saying its line and ending the process
 
     def arm(self) -> None:
         if self._pair is not None:
@@ -264,9 +264,17 @@ class _Guard:
             )
 
     def overdue(self) -> None:
-        """The grace period is over (or a peer ended on its own): say so if ours to say, end."""
+        """The grace period is over (or a peer ended on its own): say so if ours to say, end.
+
+        Once: the deadline's timer and the main thread (its collective broken by a peer
+        that ended at its own deadline) can both get here; the second waits for the
+        first's exit instead of saying the line again."""
         with self._lock:
+            ending, self._ending = self._ending, True
             signum, orphaned = stopped_by(self._events)
+        if ending:
+            while True:
+                time.sleep(3600)
         line = None
         if self._say is not None:
             try:

@@ -1,4 +1,4 @@
-"""What a worker does with a stop signal: a pure function of what has happened to it.
+"""What a worker and its launcher do on a stop or a failure: pure functions of what happened.
 
 ``decide(events)`` gives the action for the last of ``events`` (the whole
 history so far, oldest first); it reads no clock and touches no process, so
@@ -25,16 +25,26 @@ The rules, in the order ``decide`` applies them:
    copy of the stop our launcher passed on (a terminal's Ctrl-C reaches every
    process of the foreground group), whichever of the two arrived first.
 5. Any other signal is a second: the worker ends at once, exit 128 + signal.
+
+The launcher's side (``decide_launcher``), at each of its polls: the first
+stop signals are passed on to every worker; a signal after one was passed on
+kills every worker at once. Workers still running ``GRACE_S`` past
+``--stop-grace`` (stopped, stuck in the kernel) are killed. A worker that ended
+otherwise than by the stop (``ended_by_stop``) is a failure: the others get
+``GRACE_S`` to notice and end on their own, and those still running are killed
+as unresponsive.
 """
 
 from __future__ import annotations
 
 import enum
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Without our launcher's pipe, the same signal again this soon is the same stop.
 SAME_STOP_S = 2.0
+EXIT_STOP_OVERDUE = 7  # a worker asked to stop found no step boundary within --stop-grace
+GRACE_S = 5.0  # the launcher's: after a failure or the stop's deadline, before it kills
 
 
 class Phase(enum.Enum):
@@ -139,3 +149,87 @@ def stopped_by(events: list[Event]) -> tuple[int, bool]:
     state = _fold(events)[0]
     signum = state.first.signum if state.first else int(signal.SIGTERM)
     return signum, state.orphaned
+
+
+# ---- the launcher's side ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Poll:
+    """One look at the workers, at ``at``: rank -> exit code, None while it runs."""
+
+    at: float
+    codes: tuple[tuple[int, int | None], ...]
+
+
+class LauncherAct(enum.Enum):
+    WAIT = "wait"
+    DONE = "every worker ended"
+    KILL_ALL = "kill every worker: a second stop signal"
+    KILL_LATE = "kill those running well past --stop-grace"
+    KILL_UNRESPONSIVE = "kill those running well after a failure"
+
+
+@dataclass(frozen=True)
+class LauncherDecision:
+    act: LauncherAct
+    pass_on: tuple[int, ...] = ()  # signals to pass on to the workers first
+    ranks: tuple[int, ...] = ()  # the ranks KILL_LATE and KILL_UNRESPONSIVE kill
+
+
+def ended_by_stop(code: int, signum: int | None) -> bool:
+    """A clean stop, a worker still starting that ended on the signal, one it killed, or
+    one that ended at its --stop-grace deadline."""
+    return code == 0 or (signum is not None and code in (128 + signum, -signum, EXIT_STOP_OVERDUE))
+
+
+@dataclass(frozen=True)
+class LauncherState:
+    """What the launcher's rules remember between its polls."""
+
+    pending: tuple[int, ...] = ()  # signals recorded since the last poll
+    passed: tuple[int, ...] = ()  # signals passed on to the workers
+    stop_at: float | None = None  # when the first was passed on
+    failed_at: float | None = None  # when a worker was first seen to have failed
+
+
+def launcher_step(
+    state: LauncherState, event: Signal | Poll, stop_grace_s: float
+) -> tuple[LauncherState, LauncherDecision]:
+    """One event: the state after it, and what the launcher does now (a ``Signal`` only
+    waits for the next poll). The launcher keeps the state, so a long run's polls cost
+    the same each; ``decide_launcher`` is the same rules over a whole history."""
+    if isinstance(event, Signal):
+        return replace(state, pending=(*state.pending, event.signum)), LauncherDecision(
+            LauncherAct.WAIT
+        )
+    if state.pending and state.passed:  # a signal after one passed on: no more waiting
+        return state, LauncherDecision(LauncherAct.KILL_ALL)
+    send = state.pending
+    state = replace(state, pending=())
+    if send:
+        state = replace(state, passed=(*state.passed, *send), stop_at=event.at)
+    first = state.passed[0] if state.passed else None
+    running = tuple(r for r, c in event.codes if c is None)
+    if not running:
+        return state, LauncherDecision(LauncherAct.DONE, send)
+    # Each worker ends itself at the deadline; one that cannot (stopped with
+    # SIGSTOP, stuck in the kernel) is killed a little after it.
+    if state.stop_at is not None and event.at - state.stop_at > stop_grace_s + GRACE_S:
+        return state, LauncherDecision(LauncherAct.KILL_LATE, send, running)
+    if state.failed_at is None and any(
+        c is not None and not ended_by_stop(c, first) for _, c in event.codes
+    ):
+        state = replace(state, failed_at=event.at)
+    if state.failed_at is not None and event.at - state.failed_at > GRACE_S:
+        return state, LauncherDecision(LauncherAct.KILL_UNRESPONSIVE, send, running)
+    return state, LauncherDecision(LauncherAct.WAIT, send)
+
+
+def decide_launcher(events: list[Signal | Poll], stop_grace_s: float) -> LauncherDecision:
+    """What the launcher does at the last of ``events``: the stop signals its handler
+    recorded and its polls of the workers, oldest first."""
+    state, decision = LauncherState(), LauncherDecision(LauncherAct.WAIT)
+    for event in events:
+        state, decision = launcher_step(state, event, stop_grace_s)
+    return decision
