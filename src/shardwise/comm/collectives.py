@@ -244,7 +244,7 @@ def reduce_scatter(
     ``comm``: a user's reduce-scatter (``set_custom_reduce_scatter``), called
     as ``comm(output_tensor=..., input_tensor=..., group=..., op=SUM, async_op=True)``.
     """
-    n = dist.get_world_size(group)
+    n = group.size()  # (a member's: dist.get_world_size's Python checks cost more than it)
     op = dist.ReduceOp.SUM
     if comm is None and not sum_only and divide_by == n and _averages(group, input):
         op, divide_by = dist.ReduceOp.AVG, None
@@ -534,8 +534,23 @@ class StreamWork:
             torch.cuda.current_stream().wait_event(self.event)
 
 
-@contextlib.contextmanager
-def side_stream(kind: str, device: torch.device | None) -> Iterator[None]:
+class _Here:
+    """``side_stream`` off the GPU: nothing to do, and no generator made for it (it is
+    entered for every gather and reduction)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_HERE = _Here()
+
+
+def side_stream(kind: str, device: torch.device | None) -> contextlib.AbstractContextManager[None]:
     """Issue a collective's copy-in, and the collective, beside compute.
 
     On a GPU, what runs inside goes on this device's ``kind`` stream
@@ -548,8 +563,12 @@ def side_stream(kind: str, device: torch.device | None) -> Iterator[None]:
     ``device`` None) it runs where it would anyway.
     """
     if device is None or device.type != "cuda":
-        yield
-        return
+        return _HERE
+    return _on_side(kind, device)
+
+
+@contextlib.contextmanager
+def _on_side(kind: str, device: torch.device) -> Iterator[None]:
     key = (kind, device.index if device.index is not None else torch.cuda.current_device())
     stream = _streams.get(key)
     if stream is None:

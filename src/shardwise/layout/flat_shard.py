@@ -127,6 +127,11 @@ class FlatShard:
             offset += sp.slot
         self.self_gathering = any(sp.ext is not None for sp in self.params)
         self.shard_numel = offset
+        # Fixed with the parameters, read by every reduction (reduce.py).
+        self.slots = [sp.slot for sp in self.params]
+        self.split_dim0 = all(sp.dim == 0 for sp in self.params)  # no piece to move first
+        self.whole_pieces = all(sp.local_numel == sp.slot for sp in self.params)  # no padding
+        self.local_shapes = [sp.local_shape for sp in self.params]
         self._shard(named)
 
     def placements(self, sp: ShardedParam) -> tuple[Placement, ...]:

@@ -19,6 +19,7 @@ gather, and the copy-in before a reduce-scatter, go through a strided view
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -61,21 +62,14 @@ class ShardedParam:
         self.local_size = max(0, min(self.chunk, size - self.rank * self.chunk))
         self.before = math.prod(self.shape[: self.dim])  # elements before the split dim
         self.after = math.prod(self.shape[self.dim + 1 :])  # and after it
-
-    @property
-    def slot(self) -> int:
-        """Elements every rank reserves for this parameter (its piece, padded)."""
-        return self.before * self.chunk * self.after
-
-    @property
-    def local_numel(self) -> int:
-        return self.before * self.local_size * self.after
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
+        # Computed once (the shape, world and rank never change): the reduction and
+        # the layout read them per parameter per step.
+        # Elements every rank reserves for this parameter (its piece, padded).
+        self.slot = self.before * self.chunk * self.after
+        self.local_numel = self.before * self.local_size * self.after
         shape = list(self.shape)
         shape[self.dim] = self.local_size
-        return tuple(shape)
+        self.local_shape = tuple(shape)
 
     def my_piece(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the whole (TP-local) parameter ``full``."""
@@ -97,9 +91,16 @@ class ShardedParam:
         return pieces.transpose(0, 1).contiguous()
 
     def install(self, t: torch.Tensor) -> None:
+        install_each((self,), (t,))
+
+
+def install_each(params: Iterable[ShardedParam], tensors: Iterable[torch.Tensor]) -> None:
+    """Install ``tensors[i]`` as ``params[i]`` wherever it is registered: one call for a
+    group's parameters (the hooks install a group's several times a step)."""
+    for sp, t in zip(params, tensors):
         # Direct dict writes: nn.Module.__setattr__ refuses non-Parameters, and
         # the unsharded forms are autograd outputs, not leaves.
-        for module, name in self.locations:
+        for module, name in sp.locations:
             module._parameters[name] = t  # type: ignore[assignment]
             if name in module._buffers:
                 # A parametrization registered and removed inside forward (PEFT's

@@ -20,6 +20,7 @@ step; one part per mesh keeps everything above the collectives unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter, is_not
 from typing import Any
 
 import torch
@@ -28,10 +29,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import collectives, gather, reduce
 from ..comm.reduce import HeldBack, ReduceComm, ReduceJob, ReduceSettings
-from ..layout.flat_shard import FlatShard, local_of
+from ..layout.flat_shard import FlatShard
 from ..layout.offload import CPUOffloadPolicy
 from ..layout.precision import MixedPrecisionPolicy
 from ..layout.tensor_parallel import TPLayout
+
+_SHARDED = attrgetter("sharded")
+_LOCAL = attrgetter("_local_tensor")  # a sharded parameter's (always a DTensor) local tensor
 
 
 class MeshPart:
@@ -42,6 +46,7 @@ class MeshPart:
         self.layout = layout
         self.mesh = mesh
         self.start = start
+        self.stop = start + len(layout.params)  # (a layout's parameters are fixed)
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.held_back = HeldBack()  # HSDP sums held back from the all-reduce
@@ -56,9 +61,6 @@ class MeshPart:
         for sp in layout.params:
             sp.pos = start + sp.index
 
-    @property
-    def stop(self) -> int:
-        return self.start + len(self.layout.params)
 
     def choose(self, gather_comm: gather.GatherComm, reduce_comm: ReduceComm) -> None:
         """Decide how this part gathers and reduce-scatters (gather.py, reduce.py),
@@ -69,10 +71,9 @@ class MeshPart:
 
     def replaced(self) -> bool:
         """Whether someone replaced the shards (``to_empty``, ``.to()``): repack."""
-        return any(
-            local_of(sp.sharded) is not t
-            for sp, t in zip(self.layout.params, self.layout.shard_locals)
-        )
+        f = self.layout
+        # (Once per gather: compared in C, no Python call per parameter.)
+        return any(map(is_not, map(_LOCAL, map(_SHARDED, f.params)), f.shard_locals))
 
     def reduce(
         self,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -414,6 +415,9 @@ class ModuleState(ModuleLifecycle):
             self._for_root.append(apply)
 
 
+_UNSHARDED = attrgetter("unsharded")  # a ShardedParam's gathered storage
+
+
 class _Unsharded(torch.autograd.Function):
     """Hands out a group's unsharded parameters; its backward is the post-backward.
 
@@ -432,7 +436,7 @@ class _Unsharded(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.state, ctx.trainable = state, trainable
         ctx.set_materialize_grads(False)
-        return tuple(p.unsharded.detach() for p in trainable)
+        return tuple(map(torch.Tensor.detach, map(_UNSHARDED, trainable)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]

@@ -31,6 +31,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -43,7 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..comm import gather
 from ..comm.reduce import ReduceComm
 from ..layout.flat_shard import local_of
-from ..layout.sharded_param import ShardedParam
+from ..layout.sharded_param import ShardedParam, install_each
 from ..layout.tensor_parallel import TPLayout
 from . import lifecycle
 from .lifecycle import GROUP_TRANSITIONS, GroupState, check_group
@@ -51,6 +53,11 @@ from .mesh_part import MeshPart, Reduction, Reductions, split_by_mesh
 from .settings import COMM_SETTINGS, GroupSettings
 from .step_in_backward import StepInBackward
 from .trace import active as active_trace
+
+# Read per parameter per step without a Python call each (``map``).
+_SHARDED, _PLAIN = attrgetter("sharded"), attrgetter("plain")
+_UNSHARDED, _VERSION = attrgetter("unsharded"), attrgetter("_version")
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 class _OptimizerSteps:
@@ -182,6 +189,8 @@ class ParamGroup:
         self.world, self.rank = self.layout.world, self.layout.rank
         self.shard_numel = self.layout.shard_numel
         self.has_tp = any(p.layout.has_tp for p in self.parts)
+        # Parameters that gather themselves (extensions.py) free their own outputs.
+        self.self_gathering = any(p.layout.self_gathering for p in self.parts)
         # Whether any part's gather is a collective (a mesh's world is fixed).
         self.communicates = any(p.layout.world > 1 for p in self.parts)
         self.choose_comm()
@@ -374,7 +383,7 @@ class ParamGroup:
         # counter, not the local tensor's: dispatch runs below autograd. foreach
         # and fused optimizer kernels bump neither, so an optimizer step counts
         # as a change too (_OptimizerSteps). Both only grow.
-        return sum(sp.sharded._version for sp in self.params), _OptimizerSteps.count
+        return sum(map(_VERSION, map(_SHARDED, self.params))), _OptimizerSteps.count
 
     def stale(self) -> bool:
         """Gathered, but the shards changed since (an optimizer step while kept gathered)."""
@@ -384,14 +393,13 @@ class ParamGroup:
 
     def _install_plain(self) -> None:
         self._gathered_version = self._shards_version()  # what this gather read
-        for sp in self.params:
-            sp.install(sp.plain)
+        install_each(self.params, map(_PLAIN, self.params))
         self.reinstall_kept()
 
     @property
     def trainable(self) -> list[ShardedParam]:
         """The parameters that require grad now (users may freeze after fully_shard)."""
-        return [sp for sp in self.params if sp.sharded.requires_grad]
+        return list(compress(self.params, map(_REQUIRES_GRAD, map(_SHARDED, self.params))))
 
     def attach(self, track: Any, recompute: bool) -> None:
         """Install unsharded parameters that autograd tracks back to this group:
@@ -420,18 +428,17 @@ class ParamGroup:
             # A view each: every parameter gets a gradient node of its own (the
             # function's node is shared by the group), which pipeline parallel's
             # zero-bubble weight pass looks up per parameter (pipeline.py).
-            out = tuple(t.view_as(t) for t in out)
+            out = tuple(map(torch.Tensor.view_as, out, out))
             if self.has_tp:
                 out = tuple(t if sp.tp is None else sp.tp.wrap(t) for sp, t in zip(trainable, out))
-            sources = tuple(sp.unsharded for sp in trainable)
+            sources = tuple(map(_UNSHARDED, trainable))
             self.attachment = Attachment(trainable, out, sources, self._shards_version())
         self.install(self.attachment)
 
     @staticmethod
     def install(attachment: Attachment) -> None:
         """Install an attachment's tracked parameters (again: see the module docstring)."""
-        for sp, t in zip(attachment.params, attachment.tensors):
-            sp.install(t)
+        install_each(attachment.params, attachment.tensors)
 
     def reached_in_backward(self) -> bool:
         """Whether the backward running now reaches this group's post-backward (an
@@ -519,10 +526,11 @@ class ParamGroup:
             return
         elif self.state is GroupState.SHARDED:
             return
-        for sp in self.params:
-            sp.install(sp.sharded)
-            if sp.ext is not None:
-                sp.ext.free()
+        install_each(self.params, map(_SHARDED, self.params))
+        if self.self_gathering:
+            for sp in self.params:
+                if sp.ext is not None:
+                    sp.ext.free()
         for part in self.parts:
             if not part.layout.aliased:
                 part.layout.unsharded_flat.untyped_storage().resize_(0)
@@ -657,8 +665,10 @@ class ParamGroup:
             p = sp.sharded
             if p.grad is None:
                 # The parameter's own spec fits its gradient (same mesh, placements,
-                # shape, dtype); the constructor skips from_local's autograd and checks.
-                p.grad = DTensor(g, p._spec, requires_grad=False)  # type: ignore[attr-defined]
+                # shape, dtype); the constructor skips from_local's autograd and checks,
+                # and ``__new__`` alone DTensor's ``__init__``, which does nothing but
+                # pass through dynamo's and export's wrappers (a third of the cost).
+                p.grad = DTensor.__new__(DTensor, g, p._spec, requires_grad=False)  # type: ignore[attr-defined]
             else:
                 local_of(p.grad).add_(g)
             # torch's optimizer-in-backward idiom steps here, as under FSDP2.
