@@ -41,9 +41,17 @@ Bookkeeping memory: Python bytes (tracemalloc: Python objects, not tensor
 storage) and Python objects (gc) that ``fully_shard`` and two training steps
 leave alive, per parameter; and the tensor objects among them.
 
+Shapes (``--shapes``, comma-separated; each printed with its own bare model):
+"blocks" (the default: 16 blocks of 4 parameters, every dim 0 1024), "large"
+(few large blocks: 4 of LayerNorm + two Linears, 256 <-> 1024), "small" (many
+small blocks: 64 of LayerNorm + two Linears, 64 <-> 256) and "moe" (4 blocks of a
+router and 16 experts, each expert fully_shard'ed apart). Only "blocks" splits
+evenly over every world size; "per module" divides by the modules sharded besides
+the root.
+
 Usage: python benchmarks/host_scaling.py [--rounds 5] [--steps 40]
-  [--worlds 2,8,64,512,1024] [--modes skip,copy,fake] [--json OUT] [--profile]
-  [--torch-profile]
+  [--worlds 2,8,64,512,1024] [--modes skip,copy,fake] [--shapes blocks,large,small,moe]
+  [--json OUT] [--profile] [--torch-profile]
 (``PYTHONPATH=src``; ``--profile`` prints shardwise's cProfile top entries at
 the smallest and largest world size instead of timing, collectives skipped;
 ``--torch-profile`` counts the aten and c10d operators per step of shardwise
@@ -63,13 +71,23 @@ import time
 import tracemalloc
 from typing import Any
 
-HIDDEN = 1024  # every parameter's dim 0
+HIDDEN = 1024  # every parameter's dim 0 in "blocks" (the default shape)
 WIDTH = 16
 BLOCKS = 16
 BATCH = 4
 
+# The shapes (``--shape``): what is fully_shard'ed, besides the root.
+SHAPES = {
+    "blocks": f"{BLOCKS} blocks of 4 parameters (dim 0: {HIDDEN}), batch {BATCH} x {WIDTH}",
+    "large": "4 large blocks (LayerNorm 256, Linear 256->1024, Linear 1024->256), batch 1 x 256",
+    "small": "64 small blocks (LayerNorm 64, Linear 64->256, Linear 256->64), batch 4 x 64",
+    "moe": "4 MoE blocks, each a router (LayerNorm 64, Linear 64->16) and 16 experts "
+    "(Linear 64->128, Linear 128->64) sharded apart, batch 4 x 64",
+}
 
-def build():
+
+def build(shape: str = "blocks"):
+    """(model, the modules fully_shard'ed before the root, an input) for ``shape``."""
     import torch
     import torch.nn as nn
 
@@ -83,8 +101,60 @@ def build():
         def forward(self, x):
             return x + (torch.relu(self.up(x)) * self.scale) @ self.down
 
+    class MLP(nn.Module):
+        def __init__(self, width: int, hidden: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.up = nn.Linear(width, hidden)
+            self.down = nn.Linear(hidden, width)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(self.norm(x))))
+
+    class Expert(nn.Module):
+        def __init__(self, width: int, hidden: int) -> None:
+            super().__init__()
+            self.up = nn.Linear(width, hidden)
+            self.down = nn.Linear(hidden, width)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    class MoE(nn.Module):
+        """Every expert runs on every row, weighted by the router (dense): the host
+        work of a sharded module per expert, with no routing to vary it."""
+
+        def __init__(self, width: int, hidden: int, experts: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.router = nn.Linear(width, experts)
+            self.experts = nn.ModuleList(Expert(width, hidden) for _ in range(experts))
+
+        def forward(self, x):
+            h = self.norm(x)
+            gates = torch.softmax(self.router(h), dim=-1)
+            out = x
+            for i, expert in enumerate(self.experts):
+                out = out + gates[:, i : i + 1] * expert(h)
+            return out
+
     torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(BLOCKS)])
+    if shape == "blocks":
+        model = nn.Sequential(*[Block() for _ in range(BLOCKS)])
+        return model, list(model), torch.randn(BATCH, WIDTH)
+    if shape == "large":
+        model = nn.Sequential(*[MLP(256, 1024) for _ in range(4)])
+        return model, list(model), torch.randn(1, 256)
+    if shape == "small":
+        model = nn.Sequential(*[MLP(64, 256) for _ in range(64)])
+        return model, list(model), torch.randn(4, 64)
+    if shape == "moe":
+        blocks = [MoE(64, 128, 16) for _ in range(4)]
+        # Experts first, then their block (inner modules before outer ones).
+        sharded = [m for block in blocks for m in [*block.experts, block]]
+        model = nn.Sequential(*blocks)
+        return model, sharded, torch.randn(4, 64)
+    raise ValueError(f"unknown shape {shape!r}: one of {sorted(SHAPES)}")
 
 
 _in_collectives = [0.0]
@@ -163,7 +233,9 @@ def _op_counts(step, steps: int) -> dict:
     }
 
 
-def one(impl: str, world: int, steps: int, profile: str, mode: str = "fake") -> dict:
+def one(
+    impl: str, world: int, steps: int, profile: str, mode: str = "fake", shape: str = "blocks"
+) -> dict:
     """One run in this process: ``impl`` ("shardwise", "fsdp2", "bare") at ``world``
     ranks; ``profile``: "" (timed), "cprofile" or "torch"."""
     import torch
@@ -182,12 +254,11 @@ def one(impl: str, world: int, steps: int, profile: str, mode: str = "fake") -> 
 
     import shardwise
 
-    x = torch.randn(BATCH, WIDTH)
-    warm = build()  # torch's own first-step work, outside what is counted
+    warm, _, x = build(shape)  # torch's own first-step work, outside what is counted
     warm(x).sum().backward()
     torch.optim.SGD(warm.parameters(), lr=1e-3).step()
     del warm
-    model = build()
+    model, sharded, x = build(shape)
     nparams = len(list(model.parameters()))
     gc.collect()
     tracemalloc.start()
@@ -200,8 +271,8 @@ def one(impl: str, world: int, steps: int, profile: str, mode: str = "fake") -> 
     }
     shard = shards.get(impl)
     if shard is not None:
-        for block in model:
-            shard(block)
+        for m in sharded:
+            shard(m)
         shard(model)
     gc.collect()
     sharded_bytes = tracemalloc.get_traced_memory()[0] - before_bytes
@@ -249,6 +320,7 @@ def one(impl: str, world: int, steps: int, profile: str, mode: str = "fake") -> 
     dist.destroy_process_group()
     host = sorted(t - c for t, c in zip(times, coll))
     return {
+        "modules": len(sharded),  # what "per module" divides by (the root not counted)
         "step_ms": statistics.median(times) * 1e3,
         "coll_ms": statistics.median(coll) * 1e3,
         "backend_chunks": _chunks[0],  # the last step's (the same every step)
@@ -260,9 +332,11 @@ def one(impl: str, world: int, steps: int, profile: str, mode: str = "fake") -> 
     }
 
 
-def child(impl: str, world: int, steps: int, profile: str = "", mode: str = "fake") -> dict:
+def child(
+    impl: str, world: int, steps: int, profile: str = "", mode: str = "fake", shape: str = "blocks"
+) -> dict:
     cmd = [sys.executable, __file__, "--one", impl, str(world), "--steps", str(steps)]
-    cmd += ["--mode", mode] + (["--profile-as", profile] if profile else [])
+    cmd += ["--mode", mode, "--shape", shape] + (["--profile-as", profile] if profile else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -292,7 +366,7 @@ def table(runs: dict, mode: str, worlds: list[int], bare_med: float) -> list[dic
     for w in worlds:
         for impl in ("shardwise", "fsdp2"):
             rs = runs[(mode, impl, w)]
-            host = [x["host_ms"] / BLOCKS * 1e3 for x in rs]  # us per module
+            host = [x["host_ms"] / x["modules"] * 1e3 for x in rs]  # us per module
             x = {
                 "mode": mode,
                 "impl": impl,
@@ -324,6 +398,17 @@ def table(runs: dict, mode: str, worlds: list[int], bare_med: float) -> list[dic
             f"{impl}: host time per module, world {worlds[-1]} / world {worlds[0]}: "
             f"{hi['host_us_median'] / lo['host_us_median']:.3f}x (medians), "
             f"{hi['host_us_min'] / lo['host_us_min']:.3f}x (minima)"
+        )
+    # The issue's measure: what shardwise adds over the bare model, against what FSDP2
+    # adds, from this one invocation.
+    for w in worlds:
+        ours, theirs = (
+            next(x for x in rows if x["impl"] == i and x["world"] == w)["over_bare_us_median"]
+            for i in ("shardwise", "fsdp2")
+        )
+        print(
+            f"world {w}: over bare per module (medians) shardwise {ours:.0f} us, "
+            f"FSDP2 {theirs:.0f} us: {ours / theirs:.2f}x FSDP2's"
         )
     return rows
 
@@ -357,16 +442,17 @@ def main() -> None:
     ap.add_argument("--one", nargs=2)
     ap.add_argument("--mode", default="fake", choices=sorted(MODES))
     ap.add_argument("--profile-as", default="", choices=["", "cprofile", "torch"])
+    ap.add_argument("--shapes", default="blocks", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--shape", default="blocks", choices=sorted(SHAPES))  # the child's
     args = ap.parse_args()
     if args.one:
-        print(
-            json.dumps(one(args.one[0], int(args.one[1]), args.steps, args.profile_as, args.mode))
-        )
+        impl, world = args.one[0], int(args.one[1])
+        print(json.dumps(one(impl, world, args.steps, args.profile_as, args.mode, args.shape)))
         return
     worlds = [int(w) for w in args.worlds.split(",")]
     if args.profile:
         for w in (worlds[0], worlds[-1]):
-            prof = child("shardwise", w, 5, profile="cprofile", mode="skip")
+            prof = child("shardwise", w, 5, "cprofile", "skip", args.shapes.split(",")[0])
             calls = prof["calls_per_step"]
             print(f"== shardwise, world {w}, collectives skipped: {calls} calls/step")
             print(prof["profile"])
@@ -375,27 +461,39 @@ def main() -> None:
         torch_profile(worlds, args.modes.split(",")[0])
         return
     modes = args.modes.split(",")
+    shapes = args.shapes.split(",")
+    out: dict[str, Any] = {}
+    for shape in shapes:
+        out[shape] = run_shape(shape, worlds, modes, args.rounds, args.steps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out if len(shapes) > 1 else out[shapes[0]], f, indent=1)
+
+
+def run_shape(shape: str, worlds: list[int], modes: list[str], rounds: int, steps: int) -> dict:
+    """Every cell of one shape, interleaved over the rounds; its tables printed."""
     cells = [(m, i, w) for w in worlds for m in modes for i in ("shardwise", "fsdp2")]
     cells.append(("skip", "bare", worlds[0]))
     runs: dict[tuple, list[dict]] = {c: [] for c in cells}
-    for r in range(args.rounds):
+    for r in range(rounds):
         k = r * 3 % len(cells)  # a rotated order each round
         for mode, impl, w in cells[k:] + cells[:k]:
-            runs[(mode, impl, w)].append(child(impl, w, args.steps, mode=mode))
+            runs[(mode, impl, w)].append(child(impl, w, steps, mode=mode, shape=shape))
             done = runs[(mode, impl, w)][-1]["host_ms"]
-            print(f"round {r} {mode} {impl} {w}: {done:.2f} ms", file=sys.stderr)
-    bare = [x["host_ms"] / BLOCKS * 1e3 for x in runs[("skip", "bare", worlds[0])]]
+            print(f"round {r} {shape} {mode} {impl} {w}: {done:.2f} ms", file=sys.stderr)
+    bare_runs = runs[("skip", "bare", worlds[0])]
+    bare = [x["host_ms"] / x["modules"] * 1e3 for x in bare_runs]
     bare_med = statistics.median(bare)
     print(
-        f"{BLOCKS} blocks of 4 parameters (dim 0: {HIDDEN}), batch {BATCH} x {WIDTH}, SGD; "
-        f"{args.rounds} rounds x {args.steps} steps (after 5 warm-up steps)\n"
+        f"== {shape}: {SHAPES[shape]}, SGD; {bare_runs[0]['modules']} modules sharded "
+        f"besides the root; {rounds} rounds x {steps} steps (after 5 warm-up steps)\n"
         f"bare model (unsharded): {min(bare):.0f} / {bare_med:.0f} us per module per step "
         f"(min / median), spread {spread(bare):.0%}"
     )
     rows = [row for m in modes for row in table(runs, m, worlds, bare_med)]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "bare_us": bare, "rounds": args.rounds}, f, indent=1)
+    for row in rows:
+        row["shape"] = shape
+    return {"rows": rows, "bare_us": bare, "rounds": rounds}
 
 
 if __name__ == "__main__":
