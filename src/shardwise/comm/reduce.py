@@ -339,9 +339,10 @@ class ReduceJob:
                 out = self._download(out)
             if self.members is g.params and g.whole_pieces:
                 # Every slot is its piece (no padding here): one split, a view each.
-                self.shards = [
-                    t.view(shape) for t, shape in zip(out.split(g.slots), g.local_shapes)
-                ]
+                # (torch.split_with_sizes, not Tensor.split: that one is Python.)
+                self.shards = list(
+                    map(torch.Tensor.view, torch.split_with_sizes(out, g.slots), g.local_shapes)
+                )
             else:
                 self.shards = [None] * len(g.params)
                 offset = 0

@@ -61,7 +61,6 @@ class MeshPart:
         for sp in layout.params:
             sp.pos = start + sp.index
 
-
     def choose(self, gather_comm: gather.GatherComm, reduce_comm: ReduceComm) -> None:
         """Decide how this part gathers and reduce-scatters (gather.py, reduce.py),
         over what the group says (``ParamGroup.choose_comm``)."""
