@@ -651,6 +651,38 @@ def test_gradient_copy_in_lays_out_rank_major_like_chunk_cat(world: int) -> None
         torch.testing.assert_close(out, want, rtol=0, atol=0, msg=name)  # padding: zeros
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 16])
+def test_gradient_copy_in_without_a_cast_lays_out_each_ranks_rows(world: int) -> None:
+    """The copy-in where no cast is needed (on the CPU, one ``_chunk_cat``): each rank's
+    rows of every gradient in order, padding zero, built here row by row; a group of
+    empty parameters copies nothing."""
+    from shardwise.comm.reduce import _copy_in
+
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "even": [torch.randn(16, 3, generator=g), torch.randn(16, generator=g)],
+        "transposed": [torch.randn(16, generator=g), torch.randn(2, 32, generator=g).t()],
+        "uneven": [torch.randn(16, generator=g), torch.randn(world * 2 + 1, 3, generator=g)],
+        "empty": [torch.empty(5, 0), torch.randn(world + 1, 2, generator=g)],
+    }
+    for name, filled in cases.items():
+        slots = [-(-t.shape[0] // world) * math.prod(t.shape[1:]) for t in filled]
+        want = torch.zeros(world, sum(slots))
+        col = 0
+        for t, slot in zip(filled, slots):
+            if t.numel():
+                rows = -(-t.shape[0] // world)
+                flat = t.reshape(t.shape[0], -1)
+                for r in range(world):
+                    piece = flat[r * rows : (r + 1) * rows].reshape(-1)
+                    want[r, col : col + piece.numel()] = piece
+            col += slot
+        out = torch.full((world, sum(slots)), float("nan"))
+        _copy_in(filled, slots, out)
+        torch.testing.assert_close(out, want, rtol=0, atol=0, msg=name)
+    _copy_in([torch.empty(5, 0)], [0], torch.empty(world, 0))  # nothing to copy, no error
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_blocks_gathered_at_once_in_forward_never_exceed_one_plus_prefetch(prefetch: int) -> None:
     peaks = run_distributed(gathered_at_once_worker, 2, prefetch)[0]
