@@ -6,9 +6,10 @@ Timing would not say so reliably on a busy CI machine; the number of function
 calls (Python and built-in, as cProfile counts them) in one training step
 does, exactly: the calls of the runtime's functions and the calls they make.
 Under torch's fake process group (tests/library/comm/test_any_world.py) one
-process is rank 0 of any world. Up to ``reduce.PIECES_UP_TO`` ranks the copy-in
-copies each rank's piece apart (per-tensor calls, the same at 2 and 8 ranks);
-above, each tensor whole (fewer calls, the same at 16 and 1024).
+process is rank 0 of any world. On the CPU with no cast the copy-in is one
+``_chunk_cat`` at every size, so the count is the same at every world; on a GPU
+(or with a cast) up to ``reduce.PIECES_UP_TO`` ranks it copies each rank's piece
+apart (per-tensor calls, the same at 2 and 8 ranks), above each tensor whole.
 """
 
 from __future__ import annotations
@@ -84,3 +85,4 @@ def test_calls_per_step_do_not_grow_with_the_world() -> None:
     assert calls[2] == calls[PIECES_UP_TO], calls
     assert calls[2 * PIECES_UP_TO] == calls[1024], calls
     assert calls[1024] <= calls[2], calls
+    assert len(set(calls.values())) == 1, calls  # the CPU's copy-in: one call at every size
