@@ -222,8 +222,9 @@ class ReduceJob:
         # and any that got one. A LoRA layer reduces its adapters, not zeros
         # the size of its frozen base.
         # Every parameter got a gradient (the usual step): all of them, the layout's own
-        # list (never changed in place).
-        self._all_grads = all(used)
+        # list (never changed in place). Not ``all(used)``: HSDP sums held back mark a
+        # parameter used that has no gradient in this microbatch (ParamGroup.reduce_grads).
+        self._all_grads = all(t is not None for t in grads)
         self.members = (
             g.params
             if self._all_grads
