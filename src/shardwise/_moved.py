@@ -50,6 +50,12 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> None:
+    """Old names of the modules already loaded are entered now: an import of one then
+    finds it and leaves the package's attribute alone (``shardwise.trace`` is the
+    function, not the module it lives in). The rest load through the finder."""
+    for old, new in MOVED.items():
+        if new in sys.modules:
+            sys.modules.setdefault(old, sys.modules[new])
     if not any(isinstance(f, _Alias) for f in sys.meta_path):
         sys.meta_path.append(_Alias())
 

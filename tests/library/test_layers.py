@@ -261,6 +261,10 @@ def test_old_flat_paths_still_import_the_moved_modules() -> None:
         "from shardwise import _moved, collectives\n"
         "import shardwise.reduce as r\n"
         "from shardwise.lifecycle import LifecycleError\n"
+        "import shardwise.trace\n"
+        "from shardwise.trace import Tracer\n"
+        # the public function, not the module it lives in
+        "assert shardwise.trace is shardwise.runtime.trace.trace\n"
         "assert collectives is importlib.import_module('shardwise.comm.collectives')\n"
         "assert r.__name__ == r.__spec__.name == 'shardwise.comm.reduce'\n"
         "assert LifecycleError is shardwise.LifecycleError\n"
