@@ -238,6 +238,11 @@ class ParamGroup:
 
     # ---- unshard / reshard --------------------------------------------------------------
 
+    def mark_stepped(self, stepped: bool) -> None:
+        """optimizer_in_backward stepped this group in this backward (True: a gather
+        before the backward ends is refused) or the backward is over (False)."""
+        self.stepped = stepped
+
     def unshard(self, backward: bool = False) -> None:
         """Issue this group's all-gather (async); ``wait_unsharded`` finishes it.
         ``backward``: for a backward's gradients (a communication policy may gather

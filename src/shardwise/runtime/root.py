@@ -190,7 +190,7 @@ def _start_step(
     group = state.group
     assert group is not None
     state.stepped()
-    group.stepped = True  # gathered again in this backward: refused (param_group.py)
+    group.mark_stepped(True)  # gathered again in this backward: refused (param_group.py)
     offloaded = group.settings.offload_policy is not None
     ctx.steps.start(stepper, state, group.grads_to_step(), offloaded, download)
 
@@ -208,7 +208,7 @@ def wait_steps(ctx: FSDPContext, raise_error: bool = True) -> None:
     stepped, error = ctx.steps.wait()
     for state in stepped:
         assert state.group is not None
-        state.group.stepped = False
+        state.group.mark_stepped(False)
         state.group.reshard()
     if error is not None and raise_error:
         raise error
