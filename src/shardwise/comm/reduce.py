@@ -111,8 +111,7 @@ class FlatScatter:
 
     def issue(self, job: ReduceJob, filled: list[torch.Tensor], slots: list[int]) -> Any:
         g, comm, numel = job.layout, job.comm, job.out.numel()
-        rs_in = collectives.comm_buffer(comm.alloc, g.world * numel, g.reduce_dtype, g.device)
-        job.hold_input(rs_in)
+        rs_in = job.scatter_input()
         with collectives.side_stream("reduce", g.device):
             _copy_in(filled, slots, rs_in.view(g.world, numel))
             if g.device.type == "cuda":
@@ -122,7 +121,7 @@ class FlatScatter:
                 rs_in,
                 comm.group,
                 g.label,
-                divide_by=None if job.settings.divide_factor is not None else g.world,
+                divide_by=job.divide_by,
                 comm=comm.custom,
                 sum_only=job.settings.force_sum,
             )
@@ -138,9 +137,8 @@ class NodeScatter:
         self.policy = policy
 
     def issue(self, job: ReduceJob, filled: list[torch.Tensor], slots: list[int]) -> Any:
-        g, numel = job.layout, job.out.numel()
-        rs_in = collectives.comm_buffer(job.comm.alloc, g.world * numel, g.reduce_dtype, g.device)
-        job.hold_input(rs_in)
+        g = job.layout
+        rs_in = job.scatter_input()
         with collectives.side_stream("reduce", g.device):
             _copy_in_nodes(filled, slots, node_collectives.node_major(rs_in, self.nodes), rs_in)
             if g.device.type == "cuda":
@@ -150,7 +148,7 @@ class NodeScatter:
                 rs_in,
                 self.nodes,
                 g.label,
-                divide_by=None if job.settings.divide_factor is not None else g.world,
+                divide_by=job.divide_by,
                 block=self.policy.block_size,
                 qdtype=self.policy.quant_dtype,
             )
@@ -240,9 +238,19 @@ class ReduceJob:
         self._owner: torch.cuda.Stream | None = None  # offload: where ``out`` was allocated
         self.shards: list[Any] = []
 
-    def hold_input(self, rs_in: torch.Tensor) -> None:
-        """Keep the reduce-scatter's input alive until it is done (the strategy's buffer)."""
-        self._rs_in = rs_in
+    def scatter_input(self) -> torch.Tensor:
+        """The reduce-scatter's input (world times the output), from the job's allocator
+        and held by the job until the reduce-scatter is done."""
+        g = self.layout
+        numel = g.world * self.out.numel()
+        self._rs_in = collectives.comm_buffer(self.comm.alloc, numel, g.reduce_dtype, g.device)
+        return self._rs_in
+
+    @property
+    def divide_by(self) -> int | None:
+        """What the reduce-scatter divides by: the shard group's size for the mean, None
+        where a custom divide factor divides once at the end (``finish``)."""
+        return None if self.settings.divide_factor is not None else self.layout.world
 
     def issue(self) -> None:
         """The copy-in and the reduce-scatter, issued without waiting (on one rank with

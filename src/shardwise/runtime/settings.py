@@ -97,7 +97,9 @@ class GroupSettings:
     def change(self, **changes: Any) -> None:
         """Set the named settings (``ModuleState.change_settings`` is the one caller)."""
         for name in changes:
-            if name in FIXED or name not in _NAMES:
+            if name not in _NAMES:
+                raise AttributeError(f"GroupSettings has no setting {name!r}")
+            if name in FIXED:
                 raise AttributeError(f"GroupSettings.{name} cannot change after fully_shard")
         for name, value in changes.items():
             object.__setattr__(self, name, value)
